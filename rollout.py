@@ -120,3 +120,630 @@ def load_adapter(model, path: str, trainable: bool = False):
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
         raise SystemExit(f"no LoRA adapter at {path}: train one first (python sft.py) or fix the path")
     return PeftModel.from_pretrained(model, path, is_trainable=trainable)
+
+
+# ----------------------------------------------------------------------------- chat format
+# Hermes/Qwen tool format on ChatML. Our own minimal template is used unless the tokenizer's
+# template really renders `tools=` (SmolLM2's silently ignores it). Tool results are rendered
+# the way Qwen's template does it: a user turn holding <tool_response>...</tool_response>.
+
+def system_prompt(policy: str, tools: list[dict]) -> str:
+    """The domain policy followed by the tool signatures and the call format (Qwen/Hermes wording)."""
+    sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (f"{policy}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{sigs}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _template_renders_tools(tok) -> bool:
+    if not getattr(tok, "chat_template", None):
+        return False
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "probe_tool_xyz", "description": "d",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        a = tok.apply_chat_template(msgs, tokenize=False)
+        b = tok.apply_chat_template(msgs, tools=[tool], tokenize=False)
+    except Exception:
+        return False
+    return a != b and "probe_tool_xyz" in b
+
+
+class ChatFormat:
+    """Token deltas of the chat template, so the history is never decoded and re-tokenized."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.native = _template_renders_tools(tokenizer)
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.end_of_turn_id = im_end if im_end != tokenizer.unk_token_id and im_end is not None \
+            else tokenizer.eos_token_id
+        self.end_of_turn = tokenizer.convert_ids_to_tokens(self.end_of_turn_id)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    def _turn(self, role: str, content: str) -> str:
+        if role == "tool":                               # Qwen: tool results live in a user turn
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+    def render(self, messages: list[dict]) -> str:
+        """The whole conversation as text (reference for tests; rollouts only append deltas).
+        An assistant message with "truncated": True was cut at max_new_tokens: it has no end-of-turn."""
+        if self.native:
+            return self.tok.apply_chat_template(messages, tokenize=False)
+        out = ""
+        for m in messages:
+            t = self._turn(m["role"], m["content"])
+            out += t.replace("<|im_end|>\n", "\n") if m.get("truncated") else t
+        return out
+
+    def prompt_ids(self, system: str, first_user: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": first_user}]
+        if self.native:
+            return self._ids(self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+        return self._ids("".join(self._turn(m["role"], m["content"]) for m in msgs) + "<|im_start|>assistant\n")
+
+    def delta_ids(self, role: str, content: str) -> list[int]:
+        """Tokens to append after a sampled assistant turn (which ends with end-of-turn):
+        the rest of that turn's closing text, the user/tool turn, and the next assistant header."""
+        if self.native:   # diff two renderings; cut the base right after its last end-of-turn
+            base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+            a = self.tok.apply_chat_template(base, tokenize=False)
+            b = self.tok.apply_chat_template(base + [{"role": role, "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+            cut = a.rindex(self.end_of_turn) + len(self.end_of_turn)
+            return self._ids(b[cut:])
+        return self._ids("\n" + self._turn(role, content) + "<|im_start|>assistant\n")
+
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
+    """([{"name", "arguments"}, ...], error). Calls are read in order up to the first malformed one;
+    error describes that one (or None). The rollout executes only calls[0]."""
+    calls, pos = [], 0
+    while (start := text.find("<tool_call>", pos)) != -1:
+        m = _CALL.match(text, start)
+        if m is None:
+            return calls, "unclosed <tool_call> tag: close every call with </tool_call>"
+        pos = m.end()
+        try:
+            obj = json.loads(m.group(1).strip())
+        except json.JSONDecodeError as e:
+            return calls, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return calls, 'tool call must be a JSON object with a string "name"'
+        args = obj.get("arguments", {})
+        if isinstance(args, str):                        # some models emit arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(args, dict):
+            return calls, '"arguments" must be a JSON object'
+        calls.append({"name": obj["name"], "arguments": args})
+    return calls, None
+
+
+# ----------------------------------------------------------------------------- trajectory
+
+@dataclass
+class Trajectory:
+    task_id: str
+    domain: str
+    scenario: str
+    tier: str
+    group: int                  # index of the task in the batch (GRPO groups share it)
+    token_ids: list[int]        # the whole conversation, system prompt included
+    loss_mask: list[int]        # 1 only on tokens the policy sampled (incl. its end-of-turn)
+    logprobs: list[float]       # sampler log-prob of each sampled token, 0.0 where loss_mask == 0
+    messages: list[dict]        # OpenAI format; assistant content = the exact generated text
+    reward: float = 0.0
+    turns: int = 0              # assistant turns
+    stop_reason: str = ""       # user_stop | transfer | max_turns | context_limit | agent_stop | error
+    stats: dict = field(default_factory=dict)
+    diff: str = ""
+
+    def show(self, tokenizer, max_chars: int = 400) -> str:
+        """Readable transcript: one block per message, long contents clipped."""
+        lines = [f"== {self.task_id} [{self.scenario}/{self.tier}] reward={self.reward} turns={self.turns} "
+                 f"stop={self.stop_reason} tokens={len(self.token_ids)} sampled={sum(self.loss_mask)}"]
+        for m in self.messages:
+            if m["role"] == "system":
+                lines.append(f"[system] ({len(m['content'])} chars: policy + tool signatures)")
+                continue
+            c = m["content"] if len(m["content"]) <= max_chars else m["content"][:max_chars] + " ..."
+            lines.append(f"[{m['role']}] {c}")
+        if self.diff:
+            lines.append("-- diff vs gold:\n" + self.diff)
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- users
+# A user sees only its task (instruction, facts) and the conversation, never the tools or DB.
+# reply() gets the conversation from the agent's view without the system message; a reply
+# containing "###STOP###" ends the episode.
+
+STOP = "###STOP###"
+
+
+class User:
+    ends_on_text = False        # True: the episode ends at the agent's first text-only turn (NoUser)
+
+    def __init__(self, task):
+        self.task = task
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
+
+    def first_message(self) -> str:
+        raise NotImplementedError
+
+    def reply(self, messages: list[dict]) -> str:
+        raise NotImplementedError
+
+
+_ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"
+                           r"is this correct|do you want|would you like me|ok to|okay to)\b", re.I)
+_REFUSES = re.compile(r"\b(cannot|can't|can not|unable|not able|not possible|not allowed|not eligible|"
+                      r"against (our|the) policy)\b", re.I)
+
+
+class ScriptedUser(User):
+    """Deterministic (given seed) rule-based user, the CPU default.
+
+    * opens with task.opening (the goal; the easy tier includes the identifiers);
+    * reveals hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key];
+    * when asked to confirm, says yes only if every term of a not-yet-confirmed confirm_terms
+      entry appears in that message, else no, restating its goal;
+    * stops (###STOP###) when all writes are confirmed and the agent reports back, or, for tasks
+      without writes, once every required output was said or the agent refused/explained;
+      gives up after `patience` replies."""
+
+    GREET = ("", "Hi! ", "Hello. ", "Hey there, ", "Good morning. ")
+    YES = ("Yes, please go ahead.", "Yes, that's right, please proceed.", "Correct, go ahead.", "Yes.")
+    NO = ("No, that's not what I want.", "No, that's not right.", "No, please don't do that.")
+    THANKS = ("Great, thank you, that's all.", "Perfect, thanks for your help!", "Thanks, that's everything.")
+    NUDGE = ("Can you help me with that?", "What do you need from me?", "Could you take care of it?")
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task)
+        import envs
+        self.keywords = envs.FACT_KEYWORDS
+        self.rng = random.Random(seed)
+        self.patience, self.replies = patience, 0
+        self.confirmed = [False] * len(task.confirm_terms)
+
+    def first_message(self) -> str:
+        return self.rng.choice(self.GREET) + self.task.opening
+
+    def reply(self, messages: list[dict]) -> str:
+        self.replies += 1
+        said = [m["content"] for m in messages if m["role"] == "assistant"]
+        last = said[-1] if said else ""
+        low = last.lower()
+        if self.replies > self.patience:
+            return f"This is taking too long, I'll try again later. {STOP}"
+        if all(self.confirmed) and self.confirmed:        # all writes approved: the agent reported back
+            return f"{self.rng.choice(self.THANKS)} {STOP}"
+        asked = [k for k, words in self.keywords.items()
+                 if k in self.task.hidden_facts and any(w in low for w in words)]
+        if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
+            everything = "\n".join(said)
+            if self.task.required_outputs and all(o in everything for o in self.task.required_outputs) \
+                    or _REFUSES.search(last):
+                return f"{self.rng.choice(self.THANKS)} {STOP}"
+        parts = []
+        for k in asked:
+            parts.append(f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}.")
+        if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:
+            match = next((i for i, terms in enumerate(self.task.confirm_terms) if not self.confirmed[i]
+                          and all(t.lower() in low for t in terms)), None)
+            if match is not None:
+                self.confirmed[match] = True
+                parts.append(self.rng.choice(self.YES))
+            elif not asked:
+                parts.append(f"{self.rng.choice(self.NO)} {self.task.opening}")
+        if not parts:
+            parts.append(f"{self.rng.choice(self.NUDGE)} {self.task.opening}" if self.rng.random() < 0.5
+                         else self.rng.choice(self.NUDGE))
+        return " ".join(parts)
+
+
+class NoUser(User):
+    """Ablation "none": the whole instruction and every fact up front, no user turns after that."""
+    ends_on_text = True
+
+    def first_message(self) -> str:
+        facts = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in self.task.hidden_facts.items())
+        return f"{self.task.instruction}\nEverything you may need: {facts}" if facts else self.task.instruction
+
+    def reply(self, messages: list[dict]) -> str:
+        return STOP
+
+
+# ---- LLM users: OpenAIUser, LocalUser (owned by the "users" helper) ----
+# Both play the customer from task.instruction alone, never seeing the tools, the policy or the DB.
+# Their chat is the agent's conversation with roles flipped: the agent's visible text (tool-call
+# tags and tool turns removed) becomes "user" turns, the simulator's own messages "assistant" turns.
+
+USER_SIM_PROMPT = """You are playing a customer who writes to a customer-service agent. Stay in character.
+
+Your instruction:
+{instruction}
+
+Rules:
+- Write one short message at a time, the way a person types in a chat.
+- Give only the information the agent needs for the current step; reveal the facts above only when asked.
+- Never invent facts that are not in your instruction. If asked for something you do not know, say so.
+- Say yes to an action only if it is exactly what your instruction wants.
+- When your goal is reached (or cannot be reached), reply with ###STOP### and nothing else."""
+AGENT_GREETING = "Hi! How can I help you today?"   # opens the simulator's chat, so it starts with a "user" turn
+
+
+def visible_text(text: str) -> str:
+    """What a user sees of an agent message: the text without <tool_call>...</tool_call> (closed or not)."""
+    return re.sub(r"<tool_call>.*?(</tool_call>|\Z)", "", text or "", flags=re.S).strip()
+
+
+def user_sim_messages(task, messages: list[dict]) -> list[dict]:
+    """The simulator's chat for `messages` (the agent's view): its system prompt, then roles flipped."""
+    chat = [{"role": "system", "content": USER_SIM_PROMPT.format(instruction=task.instruction)},
+            {"role": "user", "content": AGENT_GREETING}]
+    for m in messages:
+        if m["role"] == "user":
+            role, text = "assistant", m["content"]
+        elif m["role"] == "assistant":
+            role, text = "user", visible_text(m.get("content"))
+        else:
+            continue   # system and tool turns: the simulator never sees them
+        if not text:
+            continue   # an agent turn that was only a tool call
+        if chat[-1]["role"] == role:   # agent text, tool call, agent text: one turn for the simulator
+            chat[-1] = {"role": role, "content": chat[-1]["content"] + "\n" + text}
+        else:
+            chat.append({"role": role, "content": text})
+    return chat
+
+
+class UserSimulatorError(RuntimeError):
+    """The LLM user simulator gave no usable reply, even after retries."""
+
+
+class OpenAIUser(User):
+    """User simulator behind any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp).
+    base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. Retries, sleeping backoff * 2**k s,
+    on 408/409/429/5xx, timeouts, refused connections and bodies that are not a chat completion; other
+    HTTP errors (401 bad key, 404 unknown model) fail at once. usage also counts requests and retries."""
+    RETRY_STATUS = (408, 409, 429)
+
+    def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=4,
+                 temperature=0.0, max_tokens=256, backoff=1.0):
+        super().__init__(task)
+        import openai
+        self.model, self.max_retries, self.backoff = model, max_retries, backoff
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.client = openai.OpenAI(base_url=base_url or os.environ.get("OPENAI_BASE_URL"),
+                                    api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none",  # local servers ignore it
+                                    timeout=timeout, max_retries=0)   # retries: our own loop below
+        self.usage.update(requests=0, retries=0)
+
+    def first_message(self) -> str:
+        return self._complete([])
+
+    def reply(self, messages: list[dict]) -> str:
+        return self._complete(messages)
+
+    def _complete(self, messages: list[dict]) -> str:
+        import openai
+        chat, last, attempts = user_sim_messages(self.task, messages), None, 0
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.usage["retries"] += 1
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            attempts += 1
+            self.usage["requests"] += 1
+            try:
+                r = self.client.chat.completions.create(model=self.model, messages=chat,
+                                                        temperature=self.temperature, max_tokens=self.max_tokens)
+                choice = (getattr(r, "choices", None) or [None])[0]   # a non-JSON body can come back as a str
+                text = getattr(getattr(choice, "message", None), "content", None)
+                if not isinstance(text, str):
+                    raise ValueError(f"no message text in the response: {str(r)[:100]!r}")
+            except openai.APIStatusError as e:
+                last = e
+                if e.status_code not in self.RETRY_STATUS and e.status_code < 500:
+                    break   # wrong key, model or URL: retrying cannot help
+            except (openai.APIConnectionError, openai.APIResponseValidationError, ValueError) as e:
+                last = e    # down, timed out, or garbage (JSONDecodeError is a ValueError)
+            else:
+                self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
+                self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
+                return text.strip()
+        raise UserSimulatorError(
+            f"user simulator {self.model!r} at {self.client.base_url} failed after {attempts} attempt(s): "
+            f"{type(last).__name__}: {str(last)[:200]}. Check that the server is up and serves this model "
+            f"(OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
+
+
+class LocalUser(User):
+    """User simulator played by a Hugging Face causal LM in this process (greedy, short replies).
+    Given the policy itself (a peft model), the base model plays the user: the LoRA adapter is switched off."""
+
+    def __init__(self, task, model, tokenizer, max_new_tokens=64):
+        super().__init__(task)
+        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+
+    def first_message(self) -> str:
+        return self._complete([])
+
+    def reply(self, messages: list[dict]) -> str:
+        return self._complete(messages)
+
+    @torch.no_grad()
+    def _complete(self, messages: list[dict]) -> str:
+        import contextlib
+        tok = self.tokenizer
+        text = tok.apply_chat_template(user_sim_messages(self.task, messages), add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device=self.model.device)  # (1, T)
+        with getattr(self.model, "disable_adapter", contextlib.nullcontext)():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=self.max_new_tokens, pad_token_id=tok.eos_token_id)
+        self.usage["prompt_tokens"] += ids.shape[1]
+        self.usage["completion_tokens"] += out.shape[1] - ids.shape[1]
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+# ---- end of LLM users ----
+
+
+def make_user(spec: str, task, seed: int = 0, **kw) -> User:
+    """spec: "scripted" | "none" | "local" | "openai:MODEL"."""
+    if spec == "scripted":
+        return ScriptedUser(task, seed)
+    if spec == "none":
+        return NoUser(task)
+    if spec == "local":
+        return LocalUser(task, **kw)                   # noqa: F821 (defined in the LLM users section)
+    if spec.startswith("openai:"):
+        return OpenAIUser(task, spec.split(":", 1)[1], **kw)   # noqa: F821
+    raise SystemExit(f"unknown user simulator {spec!r}: use scripted, none, local or openai:MODEL")
+
+
+# ----------------------------------------------------------------------------- agents
+# run_episodes calls agent.act(batch) once per round with every conversation waiting on the agent:
+#   batch: list of (task, messages, token_ids) -> list of (new_token_ids, logprobs).
+# new_token_ids end with the end-of-turn token, unless the turn was cut at max_new_tokens.
+
+class ModelAgent:
+    """The policy: one batched, left-padded HF generate call per round."""
+
+    def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256):
+        self.model, self.tok = model, tokenizer
+        self.fmt = ChatFormat(tokenizer)
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+
+    @torch.no_grad()
+    def act(self, batch):
+        B, L = len(batch), max(len(ids) for _, _, ids in batch)
+        pad = self.tok.pad_token_id
+        input_ids = torch.full((B, L), pad, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for b, (_, _, ids) in enumerate(batch):        # left padding; pad == eos, so the mask comes
+            input_ids[b, L - len(ids):] = torch.tensor(ids)   # from positions, never from pad ids
+            attn[b, L - len(ids):] = 1
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
+            do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
+            max_new_tokens=self.max_new_tokens, eos_token_id=self.fmt.end_of_turn_id, pad_token_id=pad,
+            output_logits=True, return_dict_in_generate=True)
+        self.model.train(was_training)
+        new = out.sequences[:, L:].cpu()                                   # (B, N)
+        logits = torch.stack(out.logits, dim=1).float().cpu()              # (B, N, V) raw logits
+        # log-probs of the distribution actually sampled from: softmax(logits / T), no top-k/top-p
+        lp = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, new[..., None])[..., 0]
+        results = []
+        for b in range(B):
+            row = new[b].tolist()
+            n = row.index(self.fmt.end_of_turn_id) + 1 if self.fmt.end_of_turn_id in row else len(row)
+            results.append((row[:n], lp[b, :n].tolist()))
+        return results
+
+
+class TextAgent:
+    """Base for agents that produce text (the oracle in sft.py, an OpenAI endpoint in eval.py).
+    act() tokenizes text + end-of-turn; log-probs are 0.0 (not sampled by the policy; mask 1 for SFT)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.fmt = ChatFormat(tokenizer)
+
+    def respond(self, task, messages: list[dict]) -> str:
+        raise NotImplementedError
+
+    def act(self, batch):
+        out = []
+        for task, messages, _ in batch:
+            ids = self.tok(self.respond(task, messages), add_special_tokens=False).input_ids
+            ids = ids + [self.fmt.end_of_turn_id]
+            out.append((ids, [0.0] * len(ids)))
+        return out
+
+
+# ----------------------------------------------------------------------------- the rollout loop
+
+def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
+                 max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
+                 **user_kw) -> list[Trajectory]:
+    """len(tasks) * group_size rollouts, task-major. Each round every conversation waiting on the agent
+    is advanced by one agent.act() call; then each executes its first tool call or gets its user's reply.
+    Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs)."""
+    import envs
+    from tqdm import tqdm
+    fmt = ChatFormat(tokenizer)
+    max_new = getattr(agent, "max_new_tokens", 0)
+    convs = []
+    for i, task in enumerate(tasks):
+        for g in range(group_size):
+            env = envs.Env(task, shaped=shaped)
+            u = make_user(user, task, seed=seed * 100_003 + i * 1_009 + g, **user_kw)
+            system, first = system_prompt(env.policy, env.tools), u.first_message()
+            ids = fmt.prompt_ids(system, first)
+            traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, ids, [0] * len(ids),
+                              [0.0] * len(ids), [{"role": "system", "content": system},
+                                                 {"role": "user", "content": first}],
+                              stats=dict(tool_calls=0, tool_errors=0, malformed_calls=0, extra_calls_ignored=0,
+                                         truncated_turns=0, sampled_tokens=0, user_tokens=0, tool_tokens=0))
+            convs.append((env, u, traj))
+
+    def append(traj, role, content):
+        ids = fmt.delta_ids(role, content)
+        traj.messages.append({"role": role, "content": content})
+        traj.token_ids += ids
+        traj.loss_mask += [0] * len(ids)
+        traj.logprobs += [0.0] * len(ids)
+        traj.stats[f"{role}_tokens"] += len(ids)
+
+    active = []
+    for c, (_, _, traj) in enumerate(convs):
+        if len(traj.token_ids) + max_new > max_context:  # the prompt alone leaves no room to answer
+            traj.stop_reason = "context_limit"
+        else:
+            active.append(c)
+    bar = tqdm(total=len(convs), desc="rollouts", disable=not progress, leave=False)
+    while active:
+        outs = agent.act([(convs[c][0].task, convs[c][2].messages, convs[c][2].token_ids) for c in active])
+        still = []
+        for c, (new_ids, new_lp) in zip(active, outs):
+            env, u, traj = convs[c]
+            traj.token_ids += new_ids
+            traj.loss_mask += [1] * len(new_ids)
+            traj.logprobs += list(new_lp)
+            traj.turns += 1
+            traj.stats["sampled_tokens"] += len(new_ids)
+            ended = bool(new_ids) and new_ids[-1] == fmt.end_of_turn_id
+            text = tokenizer.decode(new_ids[:-1] if ended else new_ids)
+            calls, error = parse_tool_calls(text)
+            msg = {"role": "assistant", "content": text, "tool_calls": calls}
+            if not ended:
+                msg["truncated"] = True
+                traj.stats["truncated_turns"] += 1
+            traj.messages.append(msg)
+            try:
+                if calls:                                # as in the official code: first call only
+                    traj.stats["tool_calls"] += 1
+                    traj.stats["extra_calls_ignored"] += len(calls) - 1 + (error is not None)
+                    obs = env.step(calls[0]["name"], calls[0]["arguments"])
+                    traj.stats["tool_errors"] += obs.startswith("Error")
+                    if calls[0]["name"] == "transfer_to_human_agents" and not obs.startswith("Error"):
+                        traj.stop_reason = "transfer"
+                    append(traj, "tool", obs)
+                elif error:
+                    traj.stats["malformed_calls"] += 1
+                    append(traj, "tool", f"Error: {error}")
+                elif u.ends_on_text:
+                    traj.stop_reason = "agent_stop"
+                else:
+                    said = u.reply([m for m in traj.messages[1:]])
+                    if STOP in said:                     # kept in messages; no tokens (nothing follows)
+                        traj.messages.append({"role": "user", "content": said})
+                        traj.stop_reason = "user_stop"
+                    else:
+                        append(traj, "user", said)
+            except Exception as e:                       # a failing user/env ends this rollout only
+                traj.stop_reason, traj.stats["error"] = "error", f"{e.__class__.__name__}: {e}"
+            if not traj.stop_reason and traj.turns >= max_turns:
+                traj.stop_reason = "max_turns"
+            if not traj.stop_reason and len(traj.token_ids) + max_new > max_context:
+                traj.stop_reason = "context_limit"
+            if traj.stop_reason:
+                bar.update(1)
+            else:
+                still.append(c)
+        active = still
+    bar.close()
+
+    for env, u, traj in convs:
+        said = [m["content"] for m in traj.messages if m["role"] == "assistant"]
+        traj.reward = float(env.reward(said))
+        traj.diff = env.diff()
+        traj.stats["user_usage"] = dict(u.usage)
+    return [traj for _, _, traj in convs]
+
+
+# ----------------------------------------------------------------------------- main
+
+def bench(model, tok, args):
+    """Sampled tokens/s of the batched loop vs one conversation at a time, same run, same settings."""
+    import envs
+    tasks = envs.make_tasks("retail", "train", 16, seed=args.seed)
+    agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=args.bench_tokens)
+    kw = dict(max_turns=args.bench_turns, progress=False)
+    print(f"bench: {args.bench_turns} agent turns x <= {args.bench_tokens} new tokens per conversation, "
+          f"{torch.get_num_threads()} threads, {DEVICE}")
+    print(f"{'convs':>5} {'mode':>10} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'speedup':>7}")
+    for n in (8, 16):
+        rates = {}
+        for mode in ("sequential", "batched"):
+            torch.manual_seed(args.seed)
+            t0 = time.time()
+            if mode == "batched":
+                trajs = run_episodes(agent, tok, tasks[:n], seed=args.seed, **kw)
+            else:
+                trajs = [t for task in tasks[:n] for t in run_episodes(agent, tok, [task], seed=args.seed, **kw)]
+            dt = time.time() - t0
+            toks = sum(sum(t.loss_mask) for t in trajs)
+            rates[mode] = toks / dt
+            speed = f"{rates[mode] / rates['sequential']:.2f}x"
+            print(f"{n:>5} {mode:>10} {toks:>7} {dt:>8.1f} {rates[mode]:>7.1f} {speed:>7}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Run a few MUA-RL rollouts and print them.")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2 (bundled) or an HF causal LM id/path")
+    ap.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 weights")
+    ap.add_argument("--adapter", default=None, help="LoRA adapter dir to load (e.g. runs/rl/adapter)")
+    ap.add_argument("--domain", default="retail", help="retail | airline")
+    ap.add_argument("--split", default="train", help="train | test")
+    ap.add_argument("--tasks", type=int, default=4, help="number of tasks")
+    ap.add_argument("--group-size", type=int, default=1, help="rollouts per task")
+    ap.add_argument("--user", default="scripted", help="scripted | none | local | openai:MODEL")
+    ap.add_argument("--max-turns", type=int, default=6, help="max agent turns per episode")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="max new tokens per agent turn")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ap.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--bench", action="store_true", help="print batched vs sequential tokens/s at 8 and 16")
+    ap.add_argument("--bench-turns", type=int, default=2, help="agent turns per conversation in --bench")
+    ap.add_argument("--bench-tokens", type=int, default=48, help="max new tokens per turn in --bench")
+    args = ap.parse_args()
+    print(vars(args))
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, args.load_in_4bit)
+    if args.adapter:
+        model = load_adapter(model, args.adapter)
+    if args.bench:
+        return bench(model, tok, args)
+    import envs
+    torch.manual_seed(args.seed)
+    tasks = envs.make_tasks(args.domain, args.split, args.tasks, seed=args.seed)
+    agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens)
+    t0 = time.time()
+    trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed)
+    for t in trajs:
+        print(t.show(tok) + "\n")
+    reasons = {}
+    for t in trajs:
+        reasons[t.stop_reason] = reasons.get(t.stop_reason, 0) + 1
+    print(f"{len(trajs)} rollouts in {time.time() - t0:.0f} s | mean reward "
+          f"{sum(t.reward for t in trajs) / len(trajs):.2f} | stop reasons {reasons} | sampled tokens "
+          f"{sum(sum(t.loss_mask) for t in trajs)} | total tokens {sum(len(t.token_ids) for t in trajs)}")
+
+
+if __name__ == "__main__":
+    main()
