@@ -318,7 +318,8 @@ class ScriptedUser(User):
         self.confirmed = [False] * len(task.confirm_terms)
 
     def first_message(self) -> str:
-        return self.rng.choice(self.GREET) + self.task.opening
+        greet = self.rng.choice(self.GREET)
+        return self.task.opening if re.match(r"(hi|hello|hey)\b", self.task.opening, re.I) else greet + self.task.opening
 
     def reply(self, messages: list[dict]) -> str:
         self.replies += 1
@@ -330,23 +331,22 @@ class ScriptedUser(User):
         if all(self.confirmed) and self.confirmed:        # all writes approved: the agent reported back
             return f"{self.rng.choice(self.THANKS)} {STOP}"
         asked = [k for k, words in self.keywords.items()
-                 if k in self.task.hidden_facts and any(w in low for w in words)]
+                 if k in self.task.hidden_facts and any(re.search(r"\b" + re.escape(w), low) for w in words)]
         if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
             everything = "\n".join(said)
             if self.task.required_outputs and all(o in everything for o in self.task.required_outputs) \
                     or _REFUSES.search(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
-        parts = []
-        for k in asked:
-            parts.append(f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}.")
+        facts = [f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}." for k in asked]
+        parts = facts
         if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:
             match = next((i for i, terms in enumerate(self.task.confirm_terms) if not self.confirmed[i]
                           and all(t.lower() in low for t in terms)), None)
             if match is not None:
                 self.confirmed[match] = True
-                parts.append(self.rng.choice(self.YES))
-            elif not asked:
-                parts.append(f"{self.rng.choice(self.NO)} {self.task.opening}")
+                parts = [self.rng.choice(self.YES)] + facts
+            else:                                        # wrong or incomplete action: refuse, restate
+                parts = [self.rng.choice(self.NO)] + facts + [self.task.opening]
         if not parts:
             parts.append(f"{self.rng.choice(self.NUDGE)} {self.task.opening}" if self.rng.random() < 0.5
                          else self.rng.choice(self.NUDGE))

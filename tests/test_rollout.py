@@ -1,0 +1,299 @@
+"""Tests for rollout.py: token-exact formatting, tool-call parsing, users, the batched agent and run_episodes.
+
+Formatting tests use the real (cached) SmolLM2 tokenizer; generation tests use a tiny random Llama with
+the same vocabulary, so everything runs in well under a minute on CPU.
+"""
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import envs
+import rollout
+from rollout import (STOP, ChatFormat, ModelAgent, NoUser, ScriptedUser, TextAgent, make_user,
+                     parse_tool_calls, run_episodes)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return rollout.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    """Random 2-layer Llama with SmolLM2's vocab. lm_head gets a bias on <|im_end|> so turns end after
+    ~4 tokens on average (a random model would otherwise almost never sample end-of-turn)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8192,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    head = torch.nn.Linear(32, len(tok), bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.zero_()
+    head.bias.data[2] = 9.5            # log(0.3 * 49152): p(<|im_end|>) ~ 0.25 per step
+    model.lm_head = head
+    return model
+
+
+def tasks_by_scenario(domain, n=14):
+    seen = {}
+    for t in envs.make_tasks(domain, "train", n):
+        seen.setdefault(t.scenario, t)
+    return list(seen.values())
+
+
+def expected_text(fmt, messages):
+    """What the token sequence must decode to: the rendered messages that carry tokens
+    (a final ###STOP### user message carries none), ending where the sequence ends."""
+    msgs = messages[:-1] if messages[-1]["role"] == "user" and STOP in messages[-1]["content"] else messages
+    text = fmt.render(msgs)
+    return text[:-1] if msgs[-1]["role"] == "assistant" else text + "<|im_start|>assistant\n"
+
+
+class Recorder:
+    """Wraps an agent and remembers what it returned, per conversation, in order."""
+
+    def __init__(self, agent):
+        self.agent, self.sampled = agent, {}
+        self.max_new_tokens = getattr(agent, "max_new_tokens", 0)
+
+    def act(self, batch):
+        outs = self.agent.act(batch)
+        for (_, messages, _), (ids, _) in zip(batch, outs):
+            self.sampled.setdefault(id(messages), []).extend(ids)
+        return outs
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def test_own_template_used_for_smollm2(tok):
+    fmt = ChatFormat(tok)
+    assert not fmt.native                            # SmolLM2's template ignores tools=
+    assert fmt.end_of_turn_id == 2 == tok.eos_token_id == tok.pad_token_id
+
+
+def test_deltas_concatenate_to_rendered_conversation(tok):
+    fmt = ChatFormat(tok)
+    msgs = [{"role": "system", "content": "Policy.\n# Tools"}, {"role": "user", "content": "Hi, cancel #W1."},
+            {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'},
+            {"role": "tool", "content": '{"status": "pending"}'},
+            {"role": "assistant", "content": "Shall I cancel #W1? (yes/no)"},
+            {"role": "user", "content": "Yes."}]
+    ids = fmt.prompt_ids(msgs[0]["content"], msgs[1]["content"])
+    for m in msgs[2:]:
+        if m["role"] == "assistant":
+            ids += tok(m["content"], add_special_tokens=False).input_ids + [fmt.end_of_turn_id]
+        else:
+            ids += fmt.delta_ids(m["role"], m["content"])
+    assert tok.decode(ids) == fmt.render(msgs) + "<|im_start|>assistant\n"
+    assert "<|im_start|>user\n<tool_response>\n{\"status\": \"pending\"}\n</tool_response><|im_end|>" in tok.decode(ids)
+    assert ids.count(1) == 7 and ids.count(2) == 6   # <|im_start|> per turn + next header; <|im_end|> per turn
+
+
+def test_system_prompt_lists_every_tool(tok):
+    env = envs.Env(envs.make_tasks("retail", "train", 1)[0])
+    sp = rollout.system_prompt(env.policy, env.tools)
+    inside = sp.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(line)["function"]["name"] for line in inside] == [t["function"]["name"] for t in env.tools]
+    assert sp.startswith(env.policy) and "<tool_call>" in sp
+    assert len(ChatFormat(tok).prompt_ids(sp, "hi")) < 2500     # fits the 8192 context with room to talk
+
+
+@pytest.mark.parametrize("text, n_calls, error", [
+    ("Let me check.", 0, None),
+    ('<tool_call>\n{"name": "get_order_details", "arguments": {"order_id": "#W1"}}\n</tool_call>', 1, None),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call> and <tool_call>{"name": "b", "arguments": {}}</tool_call>',
+     2, None),
+    ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', 1, None),   # arguments as a JSON string
+    ('<tool_call>{"name": "a"}</tool_call>', 1, None),                                 # no arguments -> {}
+    ('<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>', 0, "not valid JSON"),
+    ('<tool_call>{"name": "a", "arguments": {}}', 0, "unclosed"),
+    ('<tool_call>["a", {}]</tool_call>', 0, '"name"'),
+    ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', 0, '"arguments"'),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{oops</tool_call>', 1, "not valid JSON"),
+])
+def test_parse_tool_calls(text, n_calls, error):
+    calls, err = parse_tool_calls(text)
+    assert len(calls) == n_calls
+    assert (err is None) if error is None else (error in err)
+    if calls:
+        assert calls[0]["name"] in ("get_order_details", "a") and isinstance(calls[0]["arguments"], dict)
+    if "arguments\": \"{" in text:
+        assert calls[0]["arguments"] == {"x": 1}
+
+
+# ----------------------------------------------------------------------------- users
+
+def test_scripted_user_reveals_only_what_is_asked_and_confirms_only_the_right_action():
+    task = next(t for t in tasks_by_scenario("retail") if t.scenario == "modify_order_address")
+    u = ScriptedUser(task, seed=3)
+    assert task.opening in u.first_message()
+    a = lambda text: [{"role": "assistant", "content": text}]
+    r = u.reply(a("Could you give me your email?"))
+    assert task.hidden_facts["email"] in r and task.hidden_facts["order_id"] not in r
+    r = u.reply(a("Thanks. Which order id is it?"))
+    assert task.hidden_facts["order_id"] in r and task.hidden_facts["email"] not in r
+    oid, street = task.confirm_terms[0]
+    r = u.reply(a(f"Shall I change the address of order {oid} to 1 Wrong Rd?"))   # wrong action: no
+    assert r.startswith("No") and task.opening in r and STOP not in r
+    r = u.reply(a(f"Shall I change the address of order {oid} to {street}?"))
+    assert r.lower().startswith(("yes", "correct")) and STOP not in r
+    assert STOP in u.reply(a("Done, the address is updated."))
+
+
+def test_scripted_user_lookup_task_stops_when_outputs_said_and_patience_runs_out():
+    task = next(t for t in tasks_by_scenario("retail") if t.scenario == "order_status_total")
+    u = ScriptedUser(task, seed=0)
+    assert STOP not in u.reply([{"role": "assistant", "content": "Your order is on its way."}])
+    said = "Your order is " + " and the total is ".join(task.required_outputs) + "."
+    assert STOP in u.reply([{"role": "assistant", "content": said}])
+    u = ScriptedUser(task, seed=0, patience=3)
+    replies = [u.reply([{"role": "assistant", "content": "Hmm."}]) for _ in range(4)]
+    assert [STOP in r for r in replies] == [False, False, False, True]
+
+
+def test_scripted_user_is_seeded_and_varied():
+    task = tasks_by_scenario("retail")[1]
+    conv = [{"role": "assistant", "content": "How can I help?"}]
+    run = lambda seed: [ScriptedUser(task, seed).first_message()] + [ScriptedUser(task, seed).reply(conv)]
+    assert run(5) == run(5)
+    assert len({tuple(run(s)) for s in range(10)}) > 2
+
+
+def test_no_user_gives_everything_up_front():
+    task = tasks_by_scenario("airline")[1]
+    first = make_user("none", task, 0).first_message()
+    assert task.instruction in first and all(v in first for v in task.hidden_facts.values())
+    assert isinstance(make_user("none", task, 0), NoUser) and make_user("none", task, 0).ends_on_text
+    with pytest.raises(SystemExit):
+        make_user("telepathic", task, 0)
+
+
+# ----------------------------------------------------------------------------- agents and the loop
+
+def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
+    """Batch of two prompts of different lengths (left padding): stored log-probs equal a teacher-forced
+    recomputation of log_softmax(logits / T) on each unpadded row; rows are cut at end-of-turn."""
+    agent = ModelAgent(tiny, tok, temperature=0.7, max_new_tokens=12)
+    prompts = [tok("Hello there, how are you today?").input_ids, tok("Hi").input_ids]
+    torch.manual_seed(1)
+    outs = agent.act([(None, [], p) for p in prompts])
+    assert len(outs) == 2
+    for p, (ids, lps) in zip(prompts, outs):
+        assert len(ids) == len(lps) and 0 < len(ids) <= 12
+        assert 2 not in ids[:-1] and (ids[-1] == 2 or len(ids) == 12)
+        with torch.no_grad():
+            logits = tiny(torch.tensor([p + ids])).logits[0, len(p) - 1:-1]
+        ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        print("max |stored - recomputed| log-prob:", (ref - torch.tensor(lps)).abs().max().item())
+        assert torch.allclose(ref, torch.tensor(lps), atol=1e-4)
+
+
+def test_run_episodes_token_exact_with_tiny_model(tok, tiny):
+    tasks = tasks_by_scenario("retail")[:2] + tasks_by_scenario("airline")[:1]
+    rec = Recorder(ModelAgent(tiny, tok, temperature=1.0, max_new_tokens=6))
+    torch.manual_seed(0)
+    trajs = run_episodes(rec, tok, tasks, group_size=2, max_turns=4, progress=False, seed=1)
+    fmt = ChatFormat(tok)
+    assert [t.task_id for t in trajs] == [t.id for t in tasks for _ in range(2)]   # task-major
+    assert [t.group for t in trajs] == [0, 0, 1, 1, 2, 2]
+    for t in trajs:
+        n = len(t.token_ids)
+        assert len(t.loss_mask) == n == len(t.logprobs)
+        assert [i for i, m in zip(t.token_ids, t.loss_mask) if m] == rec.sampled[id(t.messages)]
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask) if not m)
+        assert all(lp < 0.0 for lp, m in zip(t.logprobs, t.loss_mask) if m)
+        assert tok.decode(t.token_ids) == expected_text(fmt, t.messages)
+        assert t.stop_reason in ("user_stop", "max_turns") and 1 <= t.turns <= 4
+        assert t.stats["sampled_tokens"] == sum(t.loss_mask)
+        assert t.stats["truncated_turns"] == sum(1 for m in t.messages if m.get("truncated"))
+        assert t.reward == 0.0 and t.diff != ""          # write tasks; a random model writes nothing right
+    assert sum(t.stats["truncated_turns"] for t in trajs) > 0       # the 6-token cap was hit somewhere
+
+
+class ScriptAgent(TextAgent):
+    """Returns scripted text turn by turn (the i-th assistant turn gets script[i])."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer)
+        self.script = script
+
+    def respond(self, task, messages):
+        return self.script[sum(m["role"] == "assistant" for m in messages)]
+
+
+def test_malformed_outputs_become_error_observations(tok):
+    task = next(t for t in tasks_by_scenario("retail") if t.scenario == "order_status_total")
+    call = lambda name, args: f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+    script = ['<tool_call>{"name": "get_order_details", "arguments": {"order_id": </tool_call>',   # bad JSON
+              "Let me look. <tool_call>" + json.dumps({"name": "get_order_details"}),             # unclosed
+              call("delete_everything", {}),                                                      # unknown tool
+              call("get_order_details", {}),                                                      # missing args
+              call("find_user_id_by_email", {"email": task.hidden_facts["email"]})
+              + call("get_order_details", {"order_id": task.hidden_facts["order_id"]}),           # two calls
+              "Which order id?"]
+    trajs = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=6, progress=False)
+    t = trajs[0]
+    tool_obs = [m["content"] for m in t.messages if m["role"] == "tool"]
+    assert len(tool_obs) == 5 and all(o.startswith("Error") for o in tool_obs[:4])
+    assert tool_obs[4] == envs.Env(task).step("find_user_id_by_email", {"email": task.hidden_facts["email"]})
+    s = t.stats
+    assert (s["malformed_calls"], s["tool_errors"], s["tool_calls"], s["extra_calls_ignored"]) == (2, 2, 3, 1)
+    assert t.stop_reason == "max_turns" and t.turns == 6 and t.reward == 0.0
+    assert tok.decode(t.token_ids) == expected_text(ChatFormat(tok), t.messages)
+
+
+def oracle_script(task):
+    """The gold conversation as text: ask for the facts, confirm each write with its terms, act, report."""
+    script = []
+    if task.hidden_facts:
+        script.append("Could you tell me your " + ", ".join(envs.FACT_KEYWORDS[k][0] for k in task.hidden_facts) + "?")
+    writes = iter(task.confirm_terms)
+    for a in task.gold_actions:
+        if a.name in envs.WRITE_TOOLS[task.domain]:
+            script.append(f"I will run {a.name} for {' '.join(next(writes))}. Shall I proceed?")
+        script.append(f'<tool_call>\n{json.dumps({"name": a.name, "arguments": a.arguments})}\n</tool_call>')
+    script.append("All done. I cannot do anything else here. " + " ".join(task.required_outputs))
+    return script
+
+
+@pytest.mark.parametrize("domain", envs.DOMAINS)
+def test_oracle_script_gets_reward_one_with_scripted_user(tok, domain):
+    """End to end with the real env: an agent that asks, confirms and acts like the gold trajectory
+    is rewarded 1.0 and the scripted user ends the episode (or the agent transfers)."""
+    tasks = tasks_by_scenario(domain)
+    trajs = []
+    for task in tasks:
+        trajs += run_episodes(ScriptAgent(tok, oracle_script(task)), tok, [task], max_turns=20, progress=False)
+    for task, t in zip(tasks, trajs):
+        assert (t.reward, t.stop_reason) in ((1.0, "user_stop"), (1.0, "transfer")), (task.scenario, t.diff,
+                                                                                        t.messages[-3:])
+        assert t.diff == "" and t.stats["tool_errors"] == 0 and t.turns == len(oracle_script(task))
+        # TextAgent turns are mask 1 with log-prob 0.0 (for SFT); every other token is mask 0
+        assert sum(t.loss_mask) == t.stats["sampled_tokens"] and not any(t.logprobs)
+
+
+def test_no_user_ends_at_first_text_turn_and_context_limit(tok):
+    task = tasks_by_scenario("retail")[0]
+    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], user="none", progress=False)[0]
+    assert (t.stop_reason, t.turns) == ("agent_stop", 1)
+    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], max_context=500, progress=False)[0]
+    assert (t.stop_reason, t.turns) == ("context_limit", 0)       # the system prompt alone is ~1800 tokens
+
+
+def test_print_one_trajectory_token_by_token(tok):
+    """STYLE rule 7: show exactly what gets trained (mask 1) and what is context (mask 0)."""
+    task = next(t for t in tasks_by_scenario("retail") if t.scenario == "cancel_order")
+    script = ["Sure. What is your email?",
+              f'<tool_call>\n{json.dumps({"name": "find_user_id_by_email", "arguments": {"email": task.hidden_facts["email"]}})}\n</tool_call>']
+    t = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=2, progress=False)[0]
+    start = [i for i, x in enumerate(t.token_ids) if x == 1][1]    # skip the system prompt
+    print(f"\n{t.task_id}: {len(t.token_ids)} tokens, {sum(t.loss_mask)} trained; the tail from token {start}:")
+    for i in range(start, len(t.token_ids)):
+        print(f"{i:5d} {t.token_ids[i]:6d} mask={t.loss_mask[i]} {tok.decode([t.token_ids[i]])!r}")
+    first_trained = t.loss_mask.index(1)
+    assert tok.decode(t.token_ids[first_trained - 4:first_trained]) == "<|im_start|>assistant\n"
+    assert tok.decode([i for i, m in zip(t.token_ids, t.loss_mask) if m]) == \
+        "Sure. What is your email?<|im_end|>" + script[1] + "<|im_end|>"
