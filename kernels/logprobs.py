@@ -292,7 +292,7 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     chunked path with the lm_head weight, so (B, T, V) logits are never materialised.
     Positions count real tokens (attention_mask.cumsum - 1), as HF generate does with left padding;
     for right-padded sequences that start at position 0 they are simply 0, 1, 2, ...
-    Position t = 0 has no context and is always 0.
+    Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
     """
     body, lm_head = model.get_decoder(), model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
@@ -300,7 +300,8 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
                          " (LoRA on lm_head or a quantized lm_head is not supported)")
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("models with final_logit_softcapping are not supported by sequence_logprobs")
-    attention_mask = attention_mask.long()
+    attention_mask = torch.as_tensor(attention_mask, device=input_ids.device).long()
+    loss_mask = torch.as_tensor(loss_mask, device=input_ids.device)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same ids the sampler used
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                   use_cache=False).last_hidden_state  # (B, T, H)
