@@ -107,7 +107,7 @@ def _check(value, schema, path="arguments"):
           "array": lambda v: isinstance(v, list) and len(v) <= 10,
           "object": lambda v: isinstance(v, dict)}[t](value)
     if not ok:
-        raise ToolError(f"{path} must be a{' short' * (t in ('string', 'array'))} {t}, got {_short(value)}")
+        raise ToolError(f"{path} must be {'a short ' * (t in ('string', 'array')) or 'an ' * (t[0] in 'aeiou') or 'a '}{t}, got {_short(value)}")
     if value not in schema.get("enum", [value]):
         raise ToolError(f"{path} must be one of {schema['enum']}")
     for i, v in enumerate(value if t == "array" else []):
