@@ -1,20 +1,20 @@
-"""Retail and airline tool-use environments with verifiable rewards (in the style of tau-bench).
+"""Retail and airline tool-use environments with verifiable rewards, in the style of tau-bench.
 
-What: two procedurally generated domains, each a database, tools over it (plain Python
-functions with OpenAI JSON schemas) and a short written policy; tasks from 14 scenarios in
-three tiers. A task is a brief for a simulated user (persona, goal, facts revealed only when
-asked) plus the gold actions an oracle agent takes. `Env(task)` gives every rollout a fresh
-copy of the database; `reward()` is 1.0 iff the final database equals the database after
-replaying the gold actions AND every required output appears in an assistant message.
+What: two procedurally generated domains, each a database, tools over it (plain Python functions
+with OpenAI JSON schemas) and a short written policy, plus tasks from 12 scenarios in three tiers.
+A task is a brief for a simulated user (persona, request, facts revealed only when asked) and the
+gold actions an oracle agent takes. `Env(task)` gives every rollout a fresh copy of the database;
+`reward()` is 1.0 iff the final database equals the one after replaying the gold actions AND every
+required output appears in an assistant message; `diff()` explains a 0.0 field by field.
 
 Run:   python envs.py              # tour: a task, tools, policy, oracle replays, prompt tokens
 Test:  pytest tests/test_envs.py
 
-Simplifications versus tau-bench: small catalogues and compact records so the system prompt
-and observations suit a 135M model; a reservation is one direct one-way flight; no flight
-statuses; every tool parameter is required; "today" is fixed; authentication and
-confirmation are policy (the reward checks their outcome), while the state rules (order
-status, insurance, seats, balances) are enforced by the tools as errors.
+Simplifications versus tau-bench: small catalogues and compact records, so the system prompt and
+observations suit a 135M model; a reservation is one direct one-way flight; no flight statuses;
+every tool parameter is required; "today" is fixed. Authentication and asking for confirmation
+are policy that only the outcome checks; state rules (order status, insurance, seats, balances)
+are enforced by the tools as errors.
 """
 import hashlib
 import itertools
@@ -56,11 +56,11 @@ class Task:
     scenario: str
     tier: str                      # easy | medium | hard
     instruction: str               # brief for an LLM user simulator
-    opening: str                   # the user's first message (ids only in the easy tier)
-    hidden_facts: dict             # FACT_KEYWORDS key -> value revealed when asked
+    opening: str                   # the user's first message (identifiers only in the easy tier)
+    hidden_facts: dict             # FACT_KEYWORDS key -> value the user reveals when asked
     gold_actions: list             # the oracle's lookups and writes, in order
     required_outputs: list         # strings some assistant message must contain
-    confirm_terms: list            # per gold write: strings its confirmation request must mention
+    confirm_terms: list            # per gold write: the strings its confirmation request must mention
     seed: int = 0                  # the DB seed: load_db(domain, split, seed)
 
 
@@ -68,16 +68,14 @@ class ToolError(Exception):
     """A refused tool call; Env.step turns it into an "Error: ..." observation."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Tool registry and the helpers both domains share
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- tool registry, shared helpers
 S, I, B = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 IDS = {"type": "array", "items": S}
 PASSENGERS = {"type": "array", "items": {"type": "object", "properties": {
     "first_name": S, "last_name": S, "dob": S}, "required": ["first_name", "last_name", "dob"]}}
 ADDRESS = {"address1": S, "city": S, "state": S, "zip": S}
 TOOLS = {d: {} for d in DOMAINS}              # domain -> tool name -> (function, OpenAI schema)
-WRITE_TOOLS = {d: set() for d in DOMAINS}     # domain -> names of tools that change the DB
+WRITE_TOOLS = {d: set() for d in DOMAINS}     # domain -> names of the tools that change the DB
 
 def tool(domains, description, write=False, **params):
     """Register a function as a tool of each domain; params: name=JSON schema (all required)."""
@@ -98,21 +96,22 @@ def _short(x, n=40):
     s = repr(x)
     return s if len(s) <= n else s[:n] + "..."
 
+_TYPES = {"string": ("a short string", lambda v: isinstance(v, str) and 0 < len(v) <= 200),
+          "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1000),
+          "boolean": ("a boolean", lambda v: isinstance(v, bool)),
+          "array": ("a short list", lambda v: isinstance(v, list) and len(v) <= 10),
+          "object": ("an object", lambda v: isinstance(v, dict))}
+
 def _check(value, schema, path="arguments"):
     """Validate a value against our JSON-schema subset; raise ToolError naming the bad field."""
-    t = schema["type"]
-    ok = {"string": lambda v: isinstance(v, str) and 0 < len(v) <= 200,
-          "integer": lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1000,
-          "boolean": lambda v: isinstance(v, bool),
-          "array": lambda v: isinstance(v, list) and len(v) <= 10,
-          "object": lambda v: isinstance(v, dict)}[t](value)
-    if not ok:
-        raise ToolError(f"{path} must be {'a short ' * (t in ('string', 'array')) or 'an ' * (t[0] in 'aeiou') or 'a '}{t}, got {_short(value)}")
+    kind, ok = _TYPES[schema["type"]]
+    if not ok(value):
+        raise ToolError(f"{path} must be {kind}, got {_short(value)}")
     if value not in schema.get("enum", [value]):
         raise ToolError(f"{path} must be one of {schema['enum']}")
-    for i, v in enumerate(value if t == "array" else []):
+    for i, v in enumerate(value if schema["type"] == "array" else []):
         _check(v, schema["items"], f"{path}[{i}]")
-    if t == "object":
+    if schema["type"] == "object":
         extra = [k for k in value if k not in schema["properties"]]
         missing = [k for k in schema["required"] if k not in value]
         if extra or missing:
@@ -137,7 +136,7 @@ def _payment_method(db, user_id, pm_id, amount=0.0):
     return pm
 
 def _pay(db, record, pm_id, amount):
-    """Charge (amount > 0) or refund (amount < 0) pm_id for record (an order or reservation)."""
+    """Charge (amount > 0) or refund (amount < 0) pm_id for a record (an order or a reservation)."""
     amount = _money(amount)
     pm = _payment_method(db, record["user_id"], pm_id, max(amount, 0.0))
     if amount:
@@ -147,7 +146,7 @@ def _pay(db, record, pm_id, amount):
             {"type": "payment" if amount > 0 else "refund", "amount": abs(amount), "payment_method_id": pm_id})
 
 def _refund_all(db, record):
-    held = {}                                     # payment method -> amount it still has paid
+    held = {}                                     # payment method -> amount it has paid, net of refunds
     for p in record["payment_history"]:
         held[p["payment_method_id"]] = held.get(p["payment_method_id"], 0) + p["amount"] * (p["type"] == "payment" or -1)
     for pm_id, amount in held.items():
@@ -172,9 +171,7 @@ def get_user_details(db, user_id):
     return _get(db["users"], user_id, "user")
 
 
-# ---------------------------------------------------------------------------------------------
-# Retail tools
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- retail tools
 @tool("retail", "Find a user id by email.", email=S)
 def find_user_id_by_email(db, email):
     by_email = {u["email"]: u["user_id"] for u in db["users"].values()}
@@ -202,17 +199,13 @@ def _order(db, order_id, status):
 def _swap_items(db, order, item_ids, new_item_ids):
     """Check a swap of items for other available variants of the same product: [(index, variant)]."""
     owned = [i["item_id"] for i in order["items"]]
-    if not item_ids or len(item_ids) != len(new_item_ids) or len(set(item_ids)) != len(item_ids):
-        raise ToolError("item_ids and new_item_ids must be equal-length lists of distinct ids")
-    swaps = []
-    for old, new in zip(item_ids, new_item_ids):
-        if old not in owned:
-            raise ToolError(f"item {_short(old)} is not in order {order['order_id']}")
-        idx = owned.index(old)
-        variant = db["products"][order["items"][idx]["product_id"]]["variants"].get(new)
-        if variant is None or new == old or not variant["available"]:
-            raise ToolError(f"{_short(new)} is not another available variant of {order['items'][idx]['name']}")
-        swaps.append((idx, variant))
+    if not item_ids or len(item_ids) != len(new_item_ids) or len(set(item_ids)) != len(item_ids) \
+            or any(i not in owned for i in item_ids):
+        raise ToolError(f"item_ids must be distinct items of order {order['order_id']}, one per new item id")
+    swaps = [(owned.index(old), db["products"][order["items"][owned.index(old)]["product_id"]]["variants"].get(new))
+             for old, new in zip(item_ids, new_item_ids)]
+    if any(v is None or v["item_id"] in item_ids or not v["available"] for _, v in swaps):
+        raise ToolError("each new item must be another available variant of the same product")
     return swaps
 
 @tool("retail", "Cancel a pending order.", write=True,
@@ -279,9 +272,7 @@ def modify_user_address(db, user_id, address1, city, state, zip):
     return db["users"][user_id]
 
 
-# ---------------------------------------------------------------------------------------------
-# Airline tools
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- airline tools
 BAG_FEE, INSURANCE_FEE = 50, 30
 
 @tool("airline", "Get a reservation's flight, passengers, bags and payments.", reservation_id=S)
@@ -412,9 +403,7 @@ POLICIES = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Databases: both splits come from one generator pass, so they never share an id
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- databases (both splits in one pass)
 FIRST = "Emma Liam Olivia Noah Ava Mason Sofia Lucas Mia Ethan Yara Omar Chen Priya Diego Lena Ivan Aisha Nora".split()
 LAST = "Smith Garcia Kim Patel Nguyen Brown Lopez Rossi Cohen Silva Ito Novak Khan Moreau Berg Okafor Reyes".split()
 STREETS = "Oak St,Maple Ave,Pine Rd,Cedar Ln,Elm St,Lake Dr,Hill Rd,Park Ave".split(",")
@@ -533,9 +522,7 @@ def load_db(domain, split, seed=0):
     return json.loads(_db_json(domain, seed)[split])
 
 
-# ---------------------------------------------------------------------------------------------
-# Scenarios: a builder picks rows of the split's DB and returns the task's parts
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- scenarios and tasks
 SCENARIOS = {d: {} for d in DOMAINS}         # domain -> scenario name -> builder(rng, db) -> dict
 REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}
 
@@ -578,14 +565,6 @@ def _cancel_order(rng, db):
     return dict(tier="easy", facts={**facts, "reason": reason}, confirm=[[oid]],
                 opening=f"Hi, I'm {u['name']}, email {u['email']}. Please cancel my order {oid}, {REASONS[reason]}.",
                 gold=gold + [act("cancel_pending_order", order_id=oid, reason=reason)])
-
-@scenario("retail", "modify_order_address")
-def _modify_order_address(rng, db):
-    o, u, facts, gold = _retail(rng, db, "pending")
-    new = _address(rng)
-    return dict(tier="medium", facts={**facts, "address": _addr_text(new)}, confirm=[[o["order_id"], new["address1"]]],
-                opening="Hi, I need to change the shipping address of one of my orders.",
-                gold=gold + [act("modify_pending_order_address", order_id=o["order_id"], **new)])
 
 @scenario("retail", "change_order_payment")
 def _change_order_payment(rng, db):
@@ -701,20 +680,6 @@ def _refuse_cancel_uninsured(rng, db):
     return dict(tier="hard", facts={**facts, "reason": "change of plans"}, gold=gold, outputs=["insurance"],
                 opening="I want to cancel my reservation and get my money back.")
 
-@scenario("airline", "fix_name_add_bag")
-def _fix_name_add_bag(rng, db):
-    r, u, card, facts, gold = _airline(rng, db)
-    rid, p = r["reservation_id"], r["passengers"][-1]
-    fixed = p["last_name"][:-1] + ("e" if p["last_name"][-1] != "e" else "a")
-    return dict(tier="hard", facts={**facts, "passenger": f"{p['first_name']} {fixed}, booked as {p['first_name']} "
-                                                          f"{p['last_name']}", "bags": "1 more", "payment_method": card},
-                opening="Hi, a passenger's last name is misspelled on my booking, and I also want to add a checked bag.",
-                gold=gold + [act("update_reservation_passengers", reservation_id=rid,
-                                 passengers=r["passengers"][:-1] + [{**p, "last_name": fixed}]),
-                             act("update_reservation_baggages", reservation_id=rid,
-                                 total_baggages=r["total_baggages"] + 1, payment_method_id=card)],
-                confirm=[[rid, fixed], [rid]])
-
 def _brief(domain, name, s, rng):
     """The user simulator's instruction: persona, goal, known facts, when to confirm, how to end."""
     facts = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in s["facts"].items())
@@ -733,17 +698,13 @@ def make_tasks(domain, split, n, seed=0):
     for i in range(n):
         rng, name = random.Random(f"{domain}-{split}-{seed}-{i}"), names[i % len(names)]
         s = SCENARIOS[domain][name](rng, db)
-        first = s["gold"][0].arguments                                   # every task starts by finding its user
-        user = db["users"][first["user_id"]] if "user_id" in first else \
-            next(u for u in db["users"].values() if u["email"] == first["email"])
-        tasks.append(Task(f"{domain}-{split}-{i:05d}", domain, split, name, s["tier"], _brief(domain, user["name"], s, rng),
+        who = s["facts"].get("name") or db["users"][s["facts"]["user_id"]]["name"]
+        tasks.append(Task(f"{domain}-{split}-{i:05d}", domain, split, name, s["tier"], _brief(domain, who, s, rng),
                           s["opening"], s["facts"], s["gold"], s.get("outputs", []), s.get("confirm", []), seed))
     return tasks
 
 
-# ---------------------------------------------------------------------------------------------
-# The environment: one per rollout
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- the environment, one per rollout
 def db_hash(db):
     return hashlib.sha256(json.dumps(db, sort_keys=True).encode()).hexdigest()
 
@@ -770,11 +731,6 @@ class Env:
         tools = TOOLS[self.task.domain]
         if not isinstance(name, str) or name not in tools:
             return f"Error: unknown tool {_short(name)}; tools: {', '.join(tools)}"
-        if isinstance(arguments, str):                # tolerate arguments sent as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except Exception:                         # ValueError, or RecursionError on deep nesting
-                pass
         fn, schema = tools[name]
         write, snapshot = name in WRITE_TOOLS[self.task.domain], None
         try:
@@ -820,11 +776,9 @@ class Env:
         return "\n".join(lines + [f"missing required output: {o!r}" for o in self.missing_outputs])
 
 
-# ---------------------------------------------------------------------------------------------
-# Tour: python envs.py
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- tour: python envs.py
 def _prompt_tokens(domain):
-    """Token count of the rendered system prompt (policy + tool schemas) under the default tokenizer."""
+    """Tokens of the rendered system prompt (policy + tool schemas) under the default tokenizer."""
     try:
         import rollout
         return len(rollout.load_tokenizer()(rollout.system_prompt(POLICIES[domain], tool_schemas(domain))).input_ids)
@@ -832,35 +786,24 @@ def _prompt_tokens(domain):
         return f"unavailable ({type(e).__name__}: {e})"
 
 def main():
-    import time
     for domain in DOMAINS:
-        start = time.time()
         tasks = make_tasks(domain, "train", 2000)
-        print(f"\n{'=' * 30} {domain}: 2000 train tasks in {time.time() - start:.2f} s {'=' * 30}")
-        print("scenarios:", ", ".join(f"{t.scenario} ({t.tier})" for t in tasks[:len(SCENARIOS[domain])]))
         t = tasks[1]
-        print(f"\n-- sample task {t.id} [{t.scenario}, {t.tier}]\ninstruction: {t.instruction}\nopening: {t.opening}"
-              f"\nhidden facts: {t.hidden_facts}\nconfirm terms: {t.confirm_terms}\nrequired outputs: {t.required_outputs}")
-        print("\n-- tools (* = writes)")
-        for s in tool_schemas(domain):
-            f = s["function"]
-            print(f"  {f['name']}{'*' * (f['name'] in WRITE_TOOLS[domain])}({', '.join(f['parameters']['properties'])})"
-                  f": {f['description']}")
-        print(f"\n-- policy ({len(POLICIES[domain].split())} words)\n{POLICIES[domain]}")
-        for t in tasks[2:4]:
+        print(f"\n{'=' * 40} {domain}: {len(SCENARIOS[domain])} scenarios, 2000 train tasks\n\n-- sample task {t.id} "
+              f"[{t.scenario}, {t.tier}]\ninstruction: {t.instruction}\nopening: {t.opening}\nhidden facts: "
+              f"{t.hidden_facts}\nconfirm terms: {t.confirm_terms}\nrequired outputs: {t.required_outputs}\n\n-- tools")
+        for f in (s["function"] for s in tool_schemas(domain)):
+            write = " (writes)" * (f["name"] in WRITE_TOOLS[domain])
+            print(f"  {f['name']}({', '.join(f['parameters']['properties'])}){write}: {f['description']}")
+        print(f"\n-- policy ({len(POLICIES[domain].split())} words)\n{POLICIES[domain]}\n\n-- oracle replays")
+        for i, t in enumerate(tasks[:len(SCENARIOS[domain])]):
             env = Env(t)
-            print(f"\n-- oracle replay of {t.id} [{t.scenario}, {t.tier}]")
             for a in t.gold_actions:
                 obs = env.step(a.name, a.arguments)
-                print(f"  {a.name}({json.dumps(a.arguments)[:90]})\n    -> {obs[:110]}{'...' * (len(obs) > 110)}")
-            print(f"  reward {env.reward(t.required_outputs)}; a fresh Env that does nothing: "
-                  f"{Env(t).reward([])}")
-        print("\n-- every scenario, oracle vs nothing:")
-        for t in tasks[:len(SCENARIOS[domain])]:
-            env = Env(t)
-            for a in t.gold_actions:
-                env.step(a.name, a.arguments)
-            print(f"  {t.scenario:26s} {t.tier:6s} oracle {env.reward(t.required_outputs)}  nothing {Env(t).reward([])}")
+                if i < 2:                             # two episodes in full, then one line per scenario
+                    print(f"  {a.name}({json.dumps(a.arguments)[:80]})\n    -> {obs[:100]}{'...' * (len(obs) > 100)}")
+            print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle reward {env.reward(t.required_outputs)}, "
+                  f"doing nothing {Env(t).reward([])}")
         print(f"\nsystem prompt tokens ({domain}): {_prompt_tokens(domain)}")
 
 

@@ -133,10 +133,10 @@ def test_shaped_reward_gives_partial_credit():
 
 
 def test_envs_share_no_state():
-    task = next(t for t in TASKS if t.scenario == "fix_name_add_bag")
+    task = next(t for t in TASKS if t.scenario == "book_flight")
     a, b = Env(task), Env(task)
     fresh = envs.load_db(task.domain, task.split)
-    write = gold_writes(task)[0]
+    write = gold_writes(task)[0]                                # book_reservation: passengers is a list
     args = json.loads(json.dumps(write.arguments))
     assert not a.step(write.name, args).startswith("Error")
     args["passengers"][0]["first_name"] = "MUTATED"           # the caller's objects never reach the DB
