@@ -1,19 +1,19 @@
 """Retail and airline tool-use environments with verifiable rewards, in the style of tau-bench.
 
-What: two procedurally generated domains, each a database, tools over it (plain Python functions
-with OpenAI JSON schemas) and a short written policy, plus tasks from 12 scenarios in three tiers.
-A task is a brief for a simulated user (persona, request, facts revealed only when asked) and the
-gold actions an oracle agent takes. `Env(task)` gives every rollout a fresh copy of the database;
-`reward()` is 1.0 iff the final database equals the one after replaying the gold actions AND every
-required output appears in an assistant message; `diff()` explains a 0.0 field by field.
+What: two procedurally generated domains (a database, tools over it as plain Python functions with
+OpenAI JSON schemas, a short written policy) and tasks from 12 scenarios in three tiers. A task is a
+brief for a simulated user (persona, request, facts revealed only when asked) plus the gold actions
+an oracle agent takes. `Env(task)` gives every rollout a fresh copy of the database; `reward()` is
+1.0 iff the final database equals the one after replaying the gold actions AND every required
+output appears in an assistant message; `diff()` explains a 0.0 field by field.
 
 Run:   python envs.py              # tour: a task, tools, policy, oracle replays, prompt tokens
 Test:  pytest tests/test_envs.py
 
-Simplifications versus tau-bench: small catalogues and compact records, so the system prompt and
-observations suit a 135M model; a reservation is one direct one-way flight; no flight statuses;
-every tool parameter is required; "today" is fixed. Authentication and asking for confirmation
-are policy that only the outcome checks; state rules (order status, insurance, seats, balances)
+Simplifications versus tau-bench: small catalogues and compact records, so that the system prompt
+and observations suit a 135M model; a reservation is one direct one-way flight; no flight statuses;
+every tool parameter is required; "today" is fixed. Authenticating and asking for confirmation are
+policy checked only through the outcome; state rules (order status, insurance, seats, balances)
 are enforced by the tools as errors.
 """
 import hashlib
@@ -112,11 +112,10 @@ def _check(value, schema, path="arguments"):
     for i, v in enumerate(value if schema["type"] == "array" else []):
         _check(v, schema["items"], f"{path}[{i}]")
     if schema["type"] == "object":
-        extra = [k for k in value if k not in schema["properties"]]
-        missing = [k for k in schema["required"] if k not in value]
-        if extra or missing:
-            raise ToolError(f"{path}: " + "; ".join([f"unexpected {_short(extra)}"] * bool(extra)
-                                                    + [f"missing {missing}"] * bool(missing)))
+        extra, missing = [k for k in value if k not in schema["properties"]], set(schema["required"]) - set(value)
+        problems = [f"unexpected {_short(extra)}"] * bool(extra) + [f"missing {sorted(missing)}"] * bool(missing)
+        if problems:
+            raise ToolError(f"{path}: {'; '.join(problems)}")
         for k, v in value.items():
             _check(v, schema["properties"][k], k if path == "arguments" else f"{path}.{k}")
 
@@ -128,30 +127,26 @@ def _get(table, key, what):
 def _money(x):
     return round(x + 0.0, 2)
 
-def _payment_method(db, user_id, pm_id, amount=0.0):
-    """The user's payment method pm_id; a gift card or certificate must cover amount."""
-    pm = _get(db["users"][user_id]["payment_methods"], pm_id, "payment method")
+def _pay(db, record, pm_id, amount, dry_run=False):
+    """Charge (amount > 0) or refund (amount < 0) the user's pm_id for a record (order or reservation).
+    Gift cards and certificates must cover a charge. dry_run: only check."""
+    amount, pm = _money(amount), _get(db["users"][record["user_id"]]["payment_methods"], pm_id, "payment method")
     if "balance" in pm and amount > pm["balance"]:
-        raise ToolError(f"{pm_id} balance {pm['balance']} is less than {_money(amount)}")
-    return pm
-
-def _pay(db, record, pm_id, amount):
-    """Charge (amount > 0) or refund (amount < 0) pm_id for a record (an order or a reservation)."""
-    amount = _money(amount)
-    pm = _payment_method(db, record["user_id"], pm_id, max(amount, 0.0))
-    if amount:
+        raise ToolError(f"{pm_id} balance {pm['balance']} is less than {amount}")
+    if amount and not dry_run:
         if "balance" in pm:
             pm["balance"] = _money(pm["balance"] - amount)
         record["payment_history"].append(
             {"type": "payment" if amount > 0 else "refund", "amount": abs(amount), "payment_method_id": pm_id})
+    return pm
 
 def _refund_all(db, record):
-    held = {}                                     # payment method -> amount it has paid, net of refunds
+    held = {}                                     # payment method -> amount paid, net of refunds
     for p in record["payment_history"]:
-        held[p["payment_method_id"]] = held.get(p["payment_method_id"], 0) + p["amount"] * (p["type"] == "payment" or -1)
+        sign = 1 if p["type"] == "payment" else -1
+        held[p["payment_method_id"]] = held.get(p["payment_method_id"], 0) + sign * p["amount"]
     for pm_id, amount in held.items():
-        if _money(amount) > 0:
-            _pay(db, record, pm_id, -amount)
+        _pay(db, record, pm_id, -max(amount, 0))
 
 @tool("retail airline", "Evaluate arithmetic like '2*(3.5+1)'.", expression=S)
 def calculate(db, expression):
@@ -174,13 +169,12 @@ def get_user_details(db, user_id):
 # ----------------------------------------------------------------------------- retail tools
 @tool("retail", "Find a user id by email.", email=S)
 def find_user_id_by_email(db, email):
-    by_email = {u["email"]: u["user_id"] for u in db["users"].values()}
-    return _get(by_email, email.strip().lower(), "user with email")
+    return _get({u["email"]: u["user_id"] for u in db["users"].values()}, email.strip().lower(), "user with email")
 
 @tool("retail", "Find a user id by name and zip.", first_name=S, last_name=S, zip=S)
 def find_user_id_by_name_zip(db, first_name, last_name, zip):
-    by_name_zip = {(u["name"].lower(), u["address"]["zip"]): u["user_id"] for u in db["users"].values()}
-    return _get(by_name_zip, (f"{first_name} {last_name}".lower(), zip.strip()), "user with name and zip")
+    users = {(u["name"].lower(), u["address"]["zip"]): u["user_id"] for u in db["users"].values()}
+    return _get(users, (f"{first_name} {last_name}".lower(), zip.strip()), "user with name and zip")
 
 @tool("retail", "Get an order's status, items, address and payments.", order_id=S)
 def get_order_details(db, order_id):
@@ -196,14 +190,18 @@ def _order(db, order_id, status):
         raise ToolError(f"order {order_id} is {order['status']}; only {status} orders allow this")
     return order
 
+def _item_indices(order, item_ids):
+    owned = [i["item_id"] for i in order["items"]]
+    if not item_ids or len(set(item_ids)) != len(item_ids) or any(i not in owned for i in item_ids):
+        raise ToolError(f"item_ids must be distinct items of order {order['order_id']}")
+    return [owned.index(i) for i in item_ids]
+
 def _swap_items(db, order, item_ids, new_item_ids):
     """Check a swap of items for other available variants of the same product: [(index, variant)]."""
-    owned = [i["item_id"] for i in order["items"]]
-    if not item_ids or len(item_ids) != len(new_item_ids) or len(set(item_ids)) != len(item_ids) \
-            or any(i not in owned for i in item_ids):
-        raise ToolError(f"item_ids must be distinct items of order {order['order_id']}, one per new item id")
-    swaps = [(owned.index(old), db["products"][order["items"][owned.index(old)]["product_id"]]["variants"].get(new))
-             for old, new in zip(item_ids, new_item_ids)]
+    if len(item_ids) != len(new_item_ids):
+        raise ToolError("item_ids and new_item_ids must have the same length")
+    swaps = [(i, db["products"][order["items"][i]["product_id"]]["variants"].get(new))
+             for i, new in zip(_item_indices(order, item_ids), new_item_ids)]
     if any(v is None or v["item_id"] in item_ids or not v["available"] for _, v in swaps):
         raise ToolError("each new item must be another available variant of the same product")
     return swaps
@@ -217,8 +215,8 @@ def cancel_pending_order(db, order_id, reason):
     return order
 
 @tool("retail", "Change a pending order's shipping address.", write=True, order_id=S, **ADDRESS)
-def modify_pending_order_address(db, order_id, address1, city, state, zip):
-    _order(db, order_id, "pending")["address"] = dict(address1=address1, city=city, state=state, zip=zip)
+def modify_pending_order_address(db, order_id, **address):
+    _order(db, order_id, "pending")["address"] = address
     return db["orders"][order_id]
 
 @tool("retail", "Swap items of a pending order for other variants; price difference via the payment method.",
@@ -237,20 +235,16 @@ def modify_pending_order_payment(db, order_id, payment_method_id):
     old = [p for p in order["payment_history"] if p["type"] == "payment"][-1]["payment_method_id"]
     if payment_method_id == old:
         raise ToolError("the new payment method must differ from the current one")
-    total = sum(i["price"] for i in order["items"])
-    _payment_method(db, order["user_id"], payment_method_id, _money(total))
-    _pay(db, order, payment_method_id, total)
-    _pay(db, order, old, -total)
+    _pay(db, order, payment_method_id, sum(i["price"] for i in order["items"]))     # checks, then charges
+    _pay(db, order, old, -sum(i["price"] for i in order["items"]))                  # a refund cannot fail
     return order
 
 @tool("retail", "Return items of a delivered order; refund to the original payment method or a gift card.",
       write=True, order_id=S, item_ids=IDS, payment_method_id=S)
 def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
     order = _order(db, order_id, "delivered")
-    owned = [i["item_id"] for i in order["items"]]
-    if not item_ids or len(set(item_ids)) != len(item_ids) or any(i not in owned for i in item_ids):
-        raise ToolError(f"item_ids must be distinct items of order {order_id}")
-    pm = _payment_method(db, order["user_id"], payment_method_id)
+    _item_indices(order, item_ids)
+    pm = _pay(db, order, payment_method_id, 0)
     if payment_method_id != order["payment_history"][0]["payment_method_id"] and pm["type"] != "gift_card":
         raise ToolError("refunds go to the original payment method or a gift card")
     order.update(status="return requested", return_items=sorted(item_ids), return_payment_method_id=payment_method_id)
@@ -260,20 +254,21 @@ def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
       write=True, order_id=S, item_ids=IDS, new_item_ids=IDS, payment_method_id=S)
 def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
     order = _order(db, order_id, "delivered")
-    delta = _money(sum(v["price"] - order["items"][i]["price"] for i, v in _swap_items(db, order, item_ids, new_item_ids)))
-    _payment_method(db, order["user_id"], payment_method_id, max(delta, 0.0))
+    swaps = _swap_items(db, order, item_ids, new_item_ids)
+    delta = _money(sum(v["price"] - order["items"][i]["price"] for i, v in swaps))
+    _pay(db, order, payment_method_id, delta, dry_run=True)      # charged when the exchange is processed
     order.update(status="exchange requested", exchange_items=item_ids, exchange_new_items=new_item_ids,
                  exchange_payment_method_id=payment_method_id, exchange_price_difference=delta)
     return order
 
 @tool("retail", "Change a user's default address.", write=True, user_id=S, **ADDRESS)
-def modify_user_address(db, user_id, address1, city, state, zip):
-    _get(db["users"], user_id, "user")["address"] = dict(address1=address1, city=city, state=state, zip=zip)
+def modify_user_address(db, user_id, **address):
+    _get(db["users"], user_id, "user")["address"] = address
     return db["users"][user_id]
 
 
 # ----------------------------------------------------------------------------- airline tools
-BAG_FEE, INSURANCE_FEE = 50, 30
+BAG_FEE, INSURANCE_FEE, CABINS = 50, 30, ["economy", "business"]
 
 @tool("airline", "Get a reservation's flight, passengers, bags and payments.", reservation_id=S)
 def get_reservation_details(db, reservation_id):
@@ -283,8 +278,8 @@ def get_reservation_details(db, reservation_id):
       origin=S, destination=S, date=S)
 def search_direct_flight(db, origin, destination, date):
     found = [dict(flight_number=f["flight_number"], depart=f["depart"], **f["dates"][date])
-             for f in db["flights"].values()
-             if f["origin"] == origin and f["destination"] == destination and date in f["dates"]]
+             for f in db["flights"].values() if (f["origin"], f["destination"]) == (origin, destination)
+             and date in f["dates"]]
     return found or "No direct flights on that route and date."
 
 def _flight_day(db, flight_number, date, cabin, seats):
@@ -305,22 +300,22 @@ def _active(db, reservation_id):
     return res
 
 @tool("airline", "Book a one-way direct flight for 1-5 passengers.", write=True, user_id=S, flight_number=S, date=S,
-      cabin={"type": "string", "enum": ["economy", "business"]}, passengers=PASSENGERS, payment_method_id=S,
+      cabin={"type": "string", "enum": CABINS}, passengers=PASSENGERS, payment_method_id=S,
       insurance=B, total_baggages=I)
 def book_reservation(db, user_id, flight_number, date, cabin, passengers, payment_method_id, insurance, total_baggages):
     user = _get(db["users"], user_id, "user")
     if not 1 <= len(passengers) <= 5 or not 0 <= total_baggages <= 10:
         raise ToolError("need 1-5 passengers and 0-10 bags")
     day, flight = _flight_day(db, flight_number, date, cabin, len(passengers)), db["flights"][flight_number]
-    rid = f"NEW{len(db['reservations']):03d}"        # deterministic, so agent and gold replay agree
-    res = dict(reservation_id=rid, user_id=user_id, origin=flight["origin"], destination=flight["destination"],
-               flight_number=flight_number, date=date, cabin=cabin, passengers=passengers, insurance=insurance,
-               total_baggages=total_baggages, status="active", payment_history=[])
-    bags_fee = BAG_FEE * max(0, total_baggages - _free_bags(db, res))
-    _pay(db, res, payment_method_id, len(passengers) * (day["prices"][cabin] + INSURANCE_FEE * insurance) + bags_fee)
+    res = dict(reservation_id=f"NEW{len(db['reservations']):03d}", user_id=user_id, origin=flight["origin"],
+               destination=flight["destination"], flight_number=flight_number, date=date, cabin=cabin,
+               passengers=passengers, insurance=insurance, total_baggages=total_baggages, status="active",
+               payment_history=[])          # the id is deterministic, so the agent's run and the gold replay agree
+    fare = len(passengers) * (day["prices"][cabin] + INSURANCE_FEE * insurance)
+    _pay(db, res, payment_method_id, fare + BAG_FEE * max(0, total_baggages - _free_bags(db, res)))
     day["seats"][cabin] -= len(passengers)
-    db["reservations"][rid] = res
-    user["reservations"].append(rid)
+    db["reservations"][res["reservation_id"]] = res
+    user["reservations"].append(res["reservation_id"])
     return res
 
 @tool("airline", "Cancel a reservation (needs insurance or business cabin); refunds all payments.", write=True,
@@ -371,11 +366,11 @@ def update_reservation_passengers(db, reservation_id, passengers):
 
 @tool("airline", "Give a user a travel certificate (amount 1-500).", write=True, user_id=S, amount=I)
 def send_certificate(db, user_id, amount):
-    user = _get(db["users"], user_id, "user")
+    pms = _get(db["users"], user_id, "user")["payment_methods"]
     if not 1 <= amount <= 500:
         raise ToolError("amount must be 1-500")
-    pm_id = f"certificate_{len(user['payment_methods']) + 1}"
-    user["payment_methods"][pm_id] = dict(id=pm_id, type="certificate", balance=float(amount))
+    pm_id = f"certificate_{len(pms) + 1}"
+    pms[pm_id] = dict(id=pm_id, type="certificate", balance=float(amount))
     return f"Certificate {pm_id} of {amount} added."
 
 POLICIES = {
@@ -432,28 +427,22 @@ def _address(rng):
     return dict(address1=f"{rng.randint(1, 999)} {rng.choice(STREETS)}", city=city, state=state,
                 zip=str(rng.randint(10000, 99999)))
 
-def _price(rng, lo, hi):
-    cents = rng.randrange(lo * 100, hi * 100)
-    return (cents + (cents % 10 == 0)) / 100           # no trailing zero: "54.27" reads the same everywhere
-
 def _user(rng, used, kinds):
     first, last = rng.choice(FIRST), rng.choice(LAST)
     uid = _uid(rng, used, lambda: f"{first}_{last}_{rng.randint(1000, 9999)}".lower())
-    pms = {}
-    for kind in kinds:
-        pm_id = _uid(rng, used, lambda: f"{kind}_{rng.randint(1000, 9999)}")
-        balance = {"balance": float(rng.randint(300, 600))} if kind in ("gift_card", "certificate") else {}
-        pms[pm_id] = dict(id=pm_id, type=kind, **balance)
-    email = f"{first}.{last}{uid[-4:]}@example.com".lower()
-    return dict(user_id=uid, name=f"{first} {last}", email=email, address=_address(rng), payment_methods=pms)
+    pms = [dict(id=_uid(rng, used, lambda: f"{kind}_{rng.randint(1000, 9999)}"), type=kind,
+                **({"balance": float(rng.randint(300, 600))} if kind in ("gift_card", "certificate") else {}))
+           for kind in kinds]
+    return dict(user_id=uid, name=f"{first} {last}", email=f"{first}.{last}{uid[-4:]}@example.com".lower(),
+                address=_address(rng), payment_methods={pm["id"]: pm for pm in pms})
 
 def _catalog(rng):
     products = {}
     for pid, (name, (a1, v1), (a2, v2)) in PRODUCTS.items():
-        sold_out = rng.randrange(6)
-        products[pid] = dict(product_id=pid, name=name, variants={
-            f"{pid}{k + 1:03d}": dict(item_id=f"{pid}{k + 1:03d}", options={a1: x, a2: y}, price=_price(rng, 15, 90),
-                                      available=k != sold_out)
+        sold_out, cents = rng.randrange(6), [rng.randrange(1500, 9000) for _ in range(6)]
+        products[pid] = dict(product_id=pid, name=name, variants={    # prices never end in 0: "54.27" reads one way
+            f"{pid}{k + 1:03d}": dict(item_id=f"{pid}{k + 1:03d}", options={a1: x, a2: y},
+                                      price=(cents[k] + (cents[k] % 10 == 0)) / 100, available=k != sold_out)
             for k, (x, y) in enumerate(itertools.product(v1.split(), v2.split()))})
     return products
 
@@ -461,19 +450,18 @@ def _retail_split(rng, used, products, n_users):
     db = dict(users={}, orders={}, products=products)
     for _ in range(n_users):
         u = _user(rng, used, ["credit_card", "paypal", "gift_card"])
-        u["orders"] = []
-        for status in rng.sample(["pending", "pending", "delivered", "delivered", rng.choice(["processed", "cancelled"])], 5):
+        db["users"][u["user_id"]], u["orders"] = u, []
+        statuses = ["pending", "pending", "delivered", "delivered", rng.choice(["processed", "cancelled"])]
+        for status in rng.sample(statuses, 5):
             oid = _uid(rng, used, lambda: f"#W{rng.randint(1000000, 9999999)}")
             items = [dict(item_id=v["item_id"], product_id=p["product_id"], name=p["name"], options=v["options"],
-                          price=v["price"])
-                     for p in rng.sample(list(products.values()), rng.randint(1, 3))
+                          price=v["price"]) for p in rng.sample(list(products.values()), rng.randint(1, 3))
                      for v in [rng.choice(list(p["variants"].values()))]]
             paid = dict(type="payment", amount=_money(sum(i["price"] for i in items)),
-                        payment_method_id=rng.choice(list(u["payment_methods"])[:2]))
+                        payment_method_id=rng.choice(list(u["payment_methods"])[:2]))     # credit card or paypal
             db["orders"][oid] = dict(order_id=oid, user_id=u["user_id"], status=status, address=u["address"],
                                      items=items, payment_history=[paid])
             u["orders"].append(oid)
-        db["users"][u["user_id"]] = u
     return db
 
 def _flights(rng):
@@ -490,23 +478,24 @@ def _airline_split(rng, used, flights, n_users):
     db = dict(users={}, reservations={}, flights=flights, airports=AIRPORTS)
     for _ in range(n_users):
         u = _user(rng, used, ["credit_card", "gift_card", "certificate"][:rng.randint(2, 3)])
-        u.update(dob=f"19{rng.randint(55, 99)}-0{rng.randint(1, 9)}-{rng.randint(10, 28)}",
-                 membership=rng.choice(["regular", "silver", "gold"]), reservations=[])
+        u.update(dob=f"19{rng.randint(55, 99)}-0{rng.randint(1, 9)}-{rng.randint(10, 28)}", reservations=[],
+                 membership=rng.choice(["regular", "silver", "gold"]))
+        db["users"][u["user_id"]] = u
         first, last = u["name"].split()
-        for insured, cabin in [(True, "economy"), (False, "economy"), (rng.random() < 0.5, rng.choice(["economy", "business"]))]:
+        # one insured, one uninsured economy reservation, and a random third
+        for insured, cabin in [(True, "economy"), (False, "economy"), (rng.random() < 0.5, rng.choice(CABINS))]:
             rid = _uid(rng, used, lambda: "".join(rng.choices("ABCDEFGHJKLMNPQRSTUVWXYZ23456789", k=6)))
             f, date = rng.choice(list(flights.values())), rng.choice(DATES[:-1])
-            pax = [dict(first_name=first, last_name=last, dob=u["dob"])] + [
-                dict(first_name=rng.choice(FIRST), last_name=last, dob=f"19{rng.randint(55, 99)}-11-0{rng.randint(1, 9)}")
-                for _ in range(rng.choice([0, 0, 1]))]
-            paid = len(pax) * (f["dates"][date]["prices"][cabin] + INSURANCE_FEE * insured)
+            companion = (rng.choice(FIRST), f"19{rng.randint(55, 99)}-11-0{rng.randint(1, 9)}")
+            pax = [dict(first_name=name, last_name=last, dob=dob)
+                   for name, dob in [(first, u["dob"]), companion][:rng.choice([1, 1, 2])]]
+            paid = float(len(pax) * (f["dates"][date]["prices"][cabin] + INSURANCE_FEE * insured))
             db["reservations"][rid] = dict(
                 reservation_id=rid, user_id=u["user_id"], origin=f["origin"], destination=f["destination"],
                 flight_number=f["flight_number"], date=date, cabin=cabin, passengers=pax, insurance=insured,
                 total_baggages=rng.randint(0, 1), status="active",
-                payment_history=[dict(type="payment", amount=float(paid), payment_method_id=list(u["payment_methods"])[0])])
+                payment_history=[dict(type="payment", amount=paid, payment_method_id=list(u["payment_methods"])[0])])
             u["reservations"].append(rid)
-        db["users"][u["user_id"]] = u
     return db
 
 @lru_cache(maxsize=4)
@@ -523,7 +512,7 @@ def load_db(domain, split, seed=0):
 
 
 # ----------------------------------------------------------------------------- scenarios and tasks
-SCENARIOS = {d: {} for d in DOMAINS}         # domain -> scenario name -> builder(rng, db) -> dict
+SCENARIOS = {d: {} for d in DOMAINS}         # domain -> scenario name -> builder(rng, db) -> dict of task parts
 REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}
 
 def scenario(domain, name):
@@ -532,31 +521,22 @@ def scenario(domain, name):
         return fn
     return register
 
-def _pick(rng, table, pred):
-    rows = list(table.values())
-    for _ in range(10000):
-        if pred(row := rng.choice(rows)):
-            return row
-    raise RuntimeError("no database row fits the scenario")
-
 def _retail(rng, db, status, pred=lambda o: True):
-    """An order in status, its user, the facts that identify both, and the oracle's two lookups."""
-    o = _pick(rng, db["orders"], lambda o: o["status"] == status and pred(o))
+    """A random order in status, its user, the facts that identify both, and the oracle's two lookups."""
+    o = rng.choice([o for o in db["orders"].values() if o["status"] == status and pred(o)])
     u = db["users"][o["user_id"]]
     facts = {"email": u["email"], "name": u["name"], "zip": u["address"]["zip"], "order_id": o["order_id"]}
-    return o, u, facts, [act("find_user_id_by_email", email=u["email"]), act("get_order_details", order_id=o["order_id"])]
+    return o, u, facts, [act("find_user_id_by_email", email=u["email"]),
+                         act("get_order_details", order_id=o["order_id"])]
 
 def _airline(rng, db, pred=lambda r: True):
-    """An active reservation, its user and credit card, the identifying facts, and the oracle's two lookups."""
-    r = _pick(rng, db["reservations"], lambda r: r["status"] == "active" and pred(r))
+    """A random active reservation, its user and credit card, the identifying facts, the oracle's two lookups."""
+    r = rng.choice([r for r in db["reservations"].values() if r["status"] == "active" and pred(r)])
     u = db["users"][r["user_id"]]
     card = next(k for k, m in u["payment_methods"].items() if m["type"] == "credit_card")
     facts = {"user_id": u["user_id"], "reservation_id": r["reservation_id"]}
     return r, u, card, facts, [act("get_user_details", user_id=u["user_id"]),
                                act("get_reservation_details", reservation_id=r["reservation_id"])]
-
-def _addr_text(a):
-    return f"{a['address1']}, {a['city']}, {a['state']} {a['zip']}"
 
 @scenario("retail", "cancel_order")
 def _cancel_order(rng, db):
@@ -565,6 +545,15 @@ def _cancel_order(rng, db):
     return dict(tier="easy", facts={**facts, "reason": reason}, confirm=[[oid]],
                 opening=f"Hi, I'm {u['name']}, email {u['email']}. Please cancel my order {oid}, {REASONS[reason]}.",
                 gold=gold + [act("cancel_pending_order", order_id=oid, reason=reason)])
+
+@scenario("retail", "modify_order_address")
+def _modify_order_address(rng, db):
+    o, u, facts, gold = _retail(rng, db, "pending")
+    new = _address(rng)
+    return dict(tier="medium", facts={**facts, "address": ", ".join(new.values())},
+                confirm=[[o["order_id"], new["address1"]]],
+                opening="Hi, I need to change the shipping address of one of my orders.",
+                gold=gold + [act("modify_pending_order_address", order_id=o["order_id"], **new)])
 
 @scenario("retail", "change_order_payment")
 def _change_order_payment(rng, db):
@@ -578,8 +567,9 @@ def _change_order_payment(rng, db):
 def _return_item(rng, db):
     o, u, facts, gold = _retail(rng, db, "delivered")
     item, paid_with = rng.choice(o["items"]), o["payment_history"][0]["payment_method_id"]
-    return dict(tier="medium", facts={**facts, "item": item["name"], "payment_method": f"the original one, {paid_with}"},
-                opening=f"Hi, I want to return the {item['name']} I received.", confirm=[[o["order_id"], item["item_id"]]],
+    return dict(tier="medium", facts={**facts, "item": item["name"], "payment_method": f"the original, {paid_with}"},
+                opening=f"Hi, I want to return the {item['name']} I received.",
+                confirm=[[o["order_id"], item["item_id"]]],
                 gold=gold + [act("return_delivered_order_items", order_id=o["order_id"], item_ids=[item["item_id"]],
                                  payment_method_id=paid_with)])
 
@@ -619,7 +609,7 @@ def _refuse_cancel_delivered(rng, db):
 def _move_and_cancel(rng, db):
     o, u, facts, gold = _retail(rng, db, "pending")
     new, reason = _address(rng), rng.choice(list(REASONS))
-    return dict(tier="hard", facts={**facts, "address": _addr_text(new), "reason": reason},
+    return dict(tier="hard", facts={**facts, "address": ", ".join(new.values()), "reason": reason},
                 opening="Hi, I moved recently. Please update my address, and I also want to cancel an order.",
                 gold=gold[:1] + [act("modify_user_address", user_id=u["user_id"], **new)] + gold[1:]
                 + [act("cancel_pending_order", order_id=o["order_id"], reason=reason)],
@@ -660,7 +650,7 @@ def _change_flight_date(rng, db):
 @scenario("airline", "book_flight")
 def _book_flight(rng, db):
     _, u, card, _, gold = _airline(rng, db)           # a random user; their reservation plays no part
-    f, day, cabin = rng.choice(list(db["flights"].values())), rng.choice(DATES), rng.choice(["economy", "business"])
+    f, day, cabin = rng.choice(list(db["flights"].values())), rng.choice(DATES), rng.choice(CABINS)
     insurance, bags, (first, last) = rng.random() < 0.5, rng.randint(0, 2), u["name"].split()
     o, d = f["origin"], f["destination"]
     return dict(tier="medium", facts={"user_id": u["user_id"], "flight": f"the {f['depart']} departure",
@@ -671,8 +661,8 @@ def _book_flight(rng, db):
                 gold=gold[:1] + [act("search_direct_flight", origin=o, destination=d, date=day),
                                  act("book_reservation", user_id=u["user_id"], flight_number=f["flight_number"],
                                      date=day, cabin=cabin, payment_method_id=card, insurance=insurance,
-                                     total_baggages=bags, passengers=[dict(first_name=first, last_name=last,
-                                                                           dob=u["dob"])])])
+                                     total_baggages=bags,
+                                     passengers=[dict(first_name=first, last_name=last, dob=u["dob"])])])
 
 @scenario("airline", "refuse_cancel_uninsured")
 def _refuse_cancel_uninsured(rng, db):
@@ -681,7 +671,7 @@ def _refuse_cancel_uninsured(rng, db):
                 opening="I want to cancel my reservation and get my money back.")
 
 def _brief(domain, name, s, rng):
-    """The user simulator's instruction: persona, goal, known facts, when to confirm, how to end."""
+    """The user simulator's instruction: persona, request, known facts, when to confirm, how to end."""
     facts = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in s["facts"].items())
     confirm = ("When the agent asks you to confirm a change, say yes only if it matches your request and facts; "
                "otherwise correct it." if s.get("confirm") else "Do not agree to any change.")
@@ -693,8 +683,7 @@ def _brief(domain, name, s, rng):
 
 def make_tasks(domain, split, n, seed=0):
     """n tasks, scenarios round-robin; task i depends only on (domain, split, seed, i)."""
-    db, names = load_db(domain, split, seed), list(SCENARIOS[domain])     # builders only read the DB
-    tasks = []
+    db, names, tasks = load_db(domain, split, seed), list(SCENARIOS[domain]), []   # builders only read the DB
     for i in range(n):
         rng, name = random.Random(f"{domain}-{split}-{seed}-{i}"), names[i % len(names)]
         s = SCENARIOS[domain][name](rng, db)
@@ -760,8 +749,7 @@ class Env:
         shaped=True: a failure still earns the fraction of gold write calls made exactly."""
         said = "\n".join(t for t in (assistant_texts or []) if isinstance(t, str)).lower()
         self.missing_outputs = [o for o in self.task.required_outputs if o.lower() not in said]
-        passed = not self.missing_outputs and db_hash(self.db) == db_hash(self.gold_db())
-        if passed or not self.shaped:
+        if (passed := not self.missing_outputs and db_hash(self.db) == db_hash(self.gold_db())) or not self.shaped:
             return float(passed)
         key = lambda a: (a.name, json.dumps(a.arguments, sort_keys=True))   # noqa: E731
         gold = [key(a) for a in self.task.gold_actions if a.name in WRITE_TOOLS[self.task.domain]]
