@@ -1,20 +1,18 @@
 """Retail and airline tool-use environments with verifiable rewards, in the style of tau-bench.
 
-What: two procedurally generated domains (a database, tools over it as plain Python functions with
-OpenAI JSON schemas, a short written policy) and tasks from 12 scenarios in three tiers. A task is a
-brief for a simulated user (persona, request, facts revealed only when asked) plus the gold actions
-an oracle agent takes. `Env(task)` gives every rollout a fresh copy of the database; `reward()` is
-1.0 iff the final database equals the one after replaying the gold actions AND every required
-output appears in an assistant message; `diff()` explains a 0.0 field by field.
+What: two procedurally generated domains (a database, tools over it as Python functions with OpenAI
+JSON schemas, a short policy) and tasks from 12 scenarios in three tiers: a brief for a simulated user
+(persona, request, facts revealed only when asked) plus the gold actions of an oracle agent. Env(task)
+gives every rollout a fresh copy of the database; reward() is 1.0 iff the final database equals the
+gold replay's AND every required output was said by the agent; diff() explains a 0.0 field by field.
 
 Run:   python envs.py              # tour: a task, tools, policy, oracle replays, prompt tokens
 Test:  pytest tests/test_envs.py
 
-Simplifications versus tau-bench: small catalogues and compact records, so that the system prompt
-and observations suit a 135M model; a reservation is one direct one-way flight; no flight statuses;
-every tool parameter is required; "today" is fixed. Authenticating and asking for confirmation are
-policy checked only through the outcome; state rules (order status, insurance, seats, balances)
-are enforced by the tools as errors.
+Simplifications versus tau-bench: small catalogues and compact records (a 135M model reads them); a
+reservation is one direct one-way flight; no flight statuses; all tool parameters are required; a
+fixed "today". Authentication and confirmation are policy, checked only through the outcome; state
+rules (order status, insurance, seats, balances) are enforced by the tools as errors.
 """
 import hashlib
 import itertools
@@ -27,6 +25,7 @@ from functools import lru_cache
 DOMAINS = ("retail", "airline")
 TODAY = "2024-05-15"
 SPLIT_USERS = {"train": 100, "test": 40}     # users per split DB; tasks resample them, so n is unbounded
+REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}  # cancel
 
 # fact key -> lowercase words an agent would use to ask for it (the scripted user matches these)
 FACT_KEYWORDS = {
@@ -84,8 +83,7 @@ def tool(domains, description, write=False, **params):
             "type": "object", "properties": params, "required": list(params)}}}
         for d in domains.split():
             TOOLS[d][fn.__name__] = (fn, schema)
-            if write:
-                WRITE_TOOLS[d].add(fn.__name__)
+            WRITE_TOOLS[d] |= {fn.__name__} if write else set()
         return fn
     return register
 
@@ -93,8 +91,7 @@ def tool_schemas(domain):
     return [schema for _, schema in TOOLS[domain].values()]
 
 def _short(x, n=40):
-    s = repr(x)
-    return s if len(s) <= n else s[:n] + "..."
+    return repr(x)[:n] + "..." * (len(repr(x)) > n)
 
 _TYPES = {"string": ("a short string", lambda v: isinstance(v, str) and 0 < len(v) <= 200),
           "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1000),
@@ -206,8 +203,7 @@ def _swap_items(db, order, item_ids, new_item_ids):
         raise ToolError("each new item must be another available variant of the same product")
     return swaps
 
-@tool("retail", "Cancel a pending order.", write=True,
-      order_id=S, reason={"type": "string", "enum": ["no longer needed", "ordered by mistake"]})
+@tool("retail", "Cancel a pending order.", write=True, order_id=S, reason={"type": "string", "enum": list(REASONS)})
 def cancel_pending_order(db, order_id, reason):
     order = _order(db, order_id, "pending")
     _refund_all(db, order)
@@ -219,8 +215,8 @@ def modify_pending_order_address(db, order_id, **address):
     _order(db, order_id, "pending")["address"] = address
     return db["orders"][order_id]
 
-@tool("retail", "Swap items of a pending order for other variants; price difference via the payment method.",
-      write=True, order_id=S, item_ids=IDS, new_item_ids=IDS, payment_method_id=S)
+@tool("retail", "Swap items of a pending order for other variants.", write=True,
+      order_id=S, item_ids=IDS, new_item_ids=IDS, payment_method_id=S)
 def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
     order = _order(db, order_id, "pending")
     swaps = _swap_items(db, order, item_ids, new_item_ids)
@@ -239,8 +235,7 @@ def modify_pending_order_payment(db, order_id, payment_method_id):
     _pay(db, order, old, -sum(i["price"] for i in order["items"]))                  # a refund cannot fail
     return order
 
-@tool("retail", "Return items of a delivered order; refund to the original payment method or a gift card.",
-      write=True, order_id=S, item_ids=IDS, payment_method_id=S)
+@tool("retail", "Return items of a delivered order.", write=True, order_id=S, item_ids=IDS, payment_method_id=S)
 def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
     order = _order(db, order_id, "delivered")
     _item_indices(order, item_ids)
@@ -250,8 +245,8 @@ def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
     order.update(status="return requested", return_items=sorted(item_ids), return_payment_method_id=payment_method_id)
     return order
 
-@tool("retail", "Exchange items of a delivered order for other variants; price difference via the payment method.",
-      write=True, order_id=S, item_ids=IDS, new_item_ids=IDS, payment_method_id=S)
+@tool("retail", "Exchange items of a delivered order for other variants.", write=True,
+      order_id=S, item_ids=IDS, new_item_ids=IDS, payment_method_id=S)
 def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
     order = _order(db, order_id, "delivered")
     swaps = _swap_items(db, order, item_ids, new_item_ids)
@@ -274,8 +269,7 @@ BAG_FEE, INSURANCE_FEE, CABINS = 50, 30, ["economy", "business"]
 def get_reservation_details(db, reservation_id):
     return _get(db["reservations"], reservation_id, "reservation")
 
-@tool("airline", "List direct flights on a date (YYYY-MM-DD) with prices and free seats.",
-      origin=S, destination=S, date=S)
+@tool("airline", "Direct flights on a date (YYYY-MM-DD): prices, free seats.", origin=S, destination=S, date=S)
 def search_direct_flight(db, origin, destination, date):
     found = [dict(flight_number=f["flight_number"], depart=f["depart"], **f["dates"][date])
              for f in db["flights"].values() if (f["origin"], f["destination"]) == (origin, destination)
@@ -299,9 +293,9 @@ def _active(db, reservation_id):
         raise ToolError(f"reservation {reservation_id} is {res['status']}")
     return res
 
-@tool("airline", "Book a one-way direct flight for 1-5 passengers.", write=True, user_id=S, flight_number=S, date=S,
-      cabin={"type": "string", "enum": CABINS}, passengers=PASSENGERS, payment_method_id=S,
-      insurance=B, total_baggages=I)
+@tool("airline", "Book a one-way direct flight.", write=True, user_id=S, flight_number=S, date=S,
+      cabin={"type": "string", "enum": CABINS}, passengers=PASSENGERS, payment_method_id=S, insurance=B,
+      total_baggages=I)
 def book_reservation(db, user_id, flight_number, date, cabin, passengers, payment_method_id, insurance, total_baggages):
     user = _get(db["users"], user_id, "user")
     if not 1 <= len(passengers) <= 5 or not 0 <= total_baggages <= 10:
@@ -318,8 +312,7 @@ def book_reservation(db, user_id, flight_number, date, cabin, passengers, paymen
     user["reservations"].append(res["reservation_id"])
     return res
 
-@tool("airline", "Cancel a reservation (needs insurance or business cabin); refunds all payments.", write=True,
-      reservation_id=S)
+@tool("airline", "Cancel a reservation and refund it.", write=True, reservation_id=S)
 def cancel_reservation(db, reservation_id):
     res = _active(db, reservation_id)
     if not (res["insurance"] or res["cabin"] == "business"):
@@ -329,7 +322,7 @@ def cancel_reservation(db, reservation_id):
     res["status"] = "cancelled"
     return res
 
-@tool("airline", "Raise a reservation's total checked bags; extra bags paid via the payment method.", write=True,
+@tool("airline", "Raise a reservation's total checked bags.", write=True,
       reservation_id=S, total_baggages=I, payment_method_id=S)
 def update_reservation_baggages(db, reservation_id, total_baggages, payment_method_id):
     res = _active(db, reservation_id)
@@ -340,8 +333,8 @@ def update_reservation_baggages(db, reservation_id, total_baggages, payment_meth
     res["total_baggages"] = total_baggages
     return res
 
-@tool("airline", "Move a reservation to another flight or date, same route and cabin; fare difference via the "
-      "payment method.", write=True, reservation_id=S, flight_number=S, date=S, payment_method_id=S)
+@tool("airline", "Move a reservation to another flight or date on the same route.", write=True,
+      reservation_id=S, flight_number=S, date=S, payment_method_id=S)
 def update_reservation_flights(db, reservation_id, flight_number, date, payment_method_id):
     res = _active(db, reservation_id)
     n, cabin = len(res["passengers"]), res["cabin"]
@@ -355,8 +348,7 @@ def update_reservation_flights(db, reservation_id, flight_number, date, payment_
     res.update(flight_number=flight_number, date=date)
     return res
 
-@tool("airline", "Correct passenger names or dates of birth (same number of passengers).", write=True,
-      reservation_id=S, passengers=PASSENGERS)
+@tool("airline", "Correct passenger names or dates of birth.", write=True, reservation_id=S, passengers=PASSENGERS)
 def update_reservation_passengers(db, reservation_id, passengers):
     res = _active(db, reservation_id)
     if len(passengers) != len(res["passengers"]):
@@ -513,13 +505,9 @@ def load_db(domain, split, seed=0):
 
 # ----------------------------------------------------------------------------- scenarios and tasks
 SCENARIOS = {d: {} for d in DOMAINS}         # domain -> scenario name -> builder(rng, db) -> dict of task parts
-REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}
 
 def scenario(domain, name):
-    def register(fn):
-        SCENARIOS[domain][name] = fn
-        return fn
-    return register
+    return lambda builder: SCENARIOS[domain].setdefault(name, builder)
 
 def _retail(rng, db, status, pred=lambda o: True):
     """A random order in status, its user, the facts that identify both, and the oracle's two lookups."""
@@ -545,15 +533,6 @@ def _cancel_order(rng, db):
     return dict(tier="easy", facts={**facts, "reason": reason}, confirm=[[oid]],
                 opening=f"Hi, I'm {u['name']}, email {u['email']}. Please cancel my order {oid}, {REASONS[reason]}.",
                 gold=gold + [act("cancel_pending_order", order_id=oid, reason=reason)])
-
-@scenario("retail", "modify_order_address")
-def _modify_order_address(rng, db):
-    o, u, facts, gold = _retail(rng, db, "pending")
-    new = _address(rng)
-    return dict(tier="medium", facts={**facts, "address": ", ".join(new.values())},
-                confirm=[[o["order_id"], new["address1"]]],
-                opening="Hi, I need to change the shipping address of one of my orders.",
-                gold=gold + [act("modify_pending_order_address", order_id=o["order_id"], **new)])
 
 @scenario("retail", "change_order_payment")
 def _change_order_payment(rng, db):
@@ -733,7 +712,7 @@ class Env:
             return f"Error: {e}" if isinstance(e, ToolError) else f"Error: {name} failed ({type(e).__name__})"
         if write:
             self.writes.append(Action(name, arguments))
-        return out if isinstance(out, str) else json.dumps(out)
+        return out if isinstance(out, str) else json.dumps(out, separators=(",", ":"))   # compact: fewer tokens
 
     def gold_db(self):
         """The DB after replaying the gold actions on a fresh copy (computed once per Env)."""
@@ -776,22 +755,20 @@ def _prompt_tokens(domain):
 def main():
     for domain in DOMAINS:
         tasks = make_tasks(domain, "train", 2000)
-        t = tasks[1]
-        print(f"\n{'=' * 40} {domain}: {len(SCENARIOS[domain])} scenarios, 2000 train tasks\n\n-- sample task {t.id} "
-              f"[{t.scenario}, {t.tier}]\ninstruction: {t.instruction}\nopening: {t.opening}\nhidden facts: "
-              f"{t.hidden_facts}\nconfirm terms: {t.confirm_terms}\nrequired outputs: {t.required_outputs}\n\n-- tools")
+        print(f"\n{'=' * 30} {domain}: {len(SCENARIOS[domain])} scenarios; 2000 train tasks made\n\n-- a sample task")
+        print("\n".join(f"{k}: {v}" for k, v in vars(tasks[1]).items() if k != "gold_actions"), "\n\n-- tools")
         for f in (s["function"] for s in tool_schemas(domain)):
-            write = " (writes)" * (f["name"] in WRITE_TOOLS[domain])
-            print(f"  {f['name']}({', '.join(f['parameters']['properties'])}){write}: {f['description']}")
+            writes = " [writes]" * (f["name"] in WRITE_TOOLS[domain])
+            print(f"  {f['name']}({', '.join(f['parameters']['properties'])}){writes}: {f['description']}")
         print(f"\n-- policy ({len(POLICIES[domain].split())} words)\n{POLICIES[domain]}\n\n-- oracle replays")
         for i, t in enumerate(tasks[:len(SCENARIOS[domain])]):
             env = Env(t)
             for a in t.gold_actions:
                 obs = env.step(a.name, a.arguments)
-                if i < 2:                             # two episodes in full, then one line per scenario
-                    print(f"  {a.name}({json.dumps(a.arguments)[:80]})\n    -> {obs[:100]}{'...' * (len(obs) > 100)}")
-            print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle reward {env.reward(t.required_outputs)}, "
-                  f"doing nothing {Env(t).reward([])}")
+                if i < 2:                             # the first two episodes in full, then one line per scenario
+                    print(f"  {a.name}({json.dumps(a.arguments)[:80]})\n    -> {obs[:100]}...")
+            print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle: reward {env.reward(t.required_outputs)}; "
+                  f"doing nothing: {Env(t).reward([])}")
         print(f"\nsystem prompt tokens ({domain}): {_prompt_tokens(domain)}")
 
 
