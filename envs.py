@@ -39,13 +39,16 @@ FACT_KEYWORDS = {
     "insurance": ("insurance",), "bags": ("bag", "luggage"), "passenger": ("passenger", "date of birth"),
 }
 
+
 @dataclass
 class Action:
     name: str
     arguments: dict
 
+
 def act(name, **arguments):
     return Action(name, arguments)
+
 
 @dataclass
 class Task:
@@ -67,7 +70,7 @@ class ToolError(Exception):
     """A refused tool call; Env.step turns it into an "Error: ..." observation."""
 
 
-# ----------------------------------------------------------------------------- tool registry, shared helpers
+# ----------------------------------------------------------------------------- tools: registry, shared helpers
 S, I, B = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 IDS = {"type": "array", "items": S}
 PASSENGERS = {"type": "array", "items": {"type": "object", "properties": {
@@ -680,9 +683,9 @@ def _diff(want, got, path, out):
     if isinstance(want, dict) and isinstance(got, dict):
         for k in sorted(set(want) | set(got), key=str):
             _diff(want.get(k, "<absent>"), got.get(k, "<absent>"), f"{path}.{k}" if path else k, out)
-    elif isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
-        for i, (w, g) in enumerate(zip(want, got)):
-            _diff(w, g, f"{path}[{i}]", out)
+    elif isinstance(want, list) and isinstance(got, list):
+        for i in range(max(len(want), len(got))):
+            _diff(want[i] if i < len(want) else "<absent>", got[i] if i < len(got) else "<absent>", f"{path}[{i}]", out)
     elif want != got or type(want) is not type(got):
         out.append(f"{path}: {_short(got, 70)} (gold: {_short(want, 70)})")
 
