@@ -1,0 +1,539 @@
+"""sft.py: MUA-RL cold start. Synthesize multi-turn tool-use conversations, keep the ones
+that solve their task, and fine-tune a LoRA adapter on the agent's tokens only.
+
+What it does
+  1. Data. An agent talks to the simulated user through rollout.run_episodes (the same loop
+     and token format as RL) on train-split tasks of every scenario. The agent is either the
+     oracle below (follows the task's gold actions, phrased like a careful human agent: ask
+     for identity and missing facts, look up, explain, ask to confirm, act, report) or any
+     OpenAI-compatible teacher model (--teacher). Only reward == 1 conversations are kept.
+     Written to <out>/data.jsonl (OpenAI format: messages + tools, loadable by `datasets`),
+     <out>/tokens.jsonl (the exact token_ids / loss_mask of each kept conversation: we train
+     on them as they are, never decode and re-tokenize) and <out>/data_stats.json.
+  2. SFT. LoRA on all linear projections (QLoRA with --load-in-4bit). Loss = mean negative
+     log-prob over loss_mask tokens (the agent's text and tool calls, incl. <|im_end|>;
+     system, user and tool tokens count for nothing), computed by kernels.sequence_logprobs,
+     the same function rl.py uses. AdamW, linear warmup then cosine (or linear) decay,
+     gradient accumulation, gradient checkpointing on CPU. Checkpoints (adapter, optimizer,
+     scheduler, step, RNG) every --save-every steps; rerunning the same command resumes from
+     the latest one. Final adapter: <out>/adapter (rl.py's default --init).
+
+Run
+  python sft.py                          # CPU preset (<= 10 min on 2 cores) -> runs/sft/adapter
+  python sft.py --smoke --out /tmp/sft   # 1 step on real data, used by tests/test_sft.py
+  python sft.py --eval-tasks 10          # + pass^1 of base vs SFT on held-out test tasks (eval.py's
+                                         #   settings; or run `python eval.py --agents base,sft`)
+  python sft.py --teacher gpt-4o         # an LLM teacher makes the data (any OpenAI-compatible server:
+                                         #   --teacher-base-url http://localhost:8000/v1; key: $OPENAI_API_KEY)
+  python sft.py --model Qwen/Qwen3-8B --load-in-4bit    # on a GPU the "gpu" preset applies (below)
+  Rerun the same command after a crash to resume; a different command needs another --out.
+
+Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
+  tuning      full fine-tuning, Qwen3 8-32B -> LoRA r=16, alpha=32 on all linear layers, SmolLM2-135M (CPU) or
+              any HF model in 4-bit (GPU). rl.py's KL reference is this model with the adapter
+              switched off, so SFT and RL share one frozen base; and full FT's fp32 Adam state
+              would not fit 4-bit weights.
+  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 13 = 2,171; cpu: 1 per
+              scenario = 13. A 2,800-token conversation (1,700 of them system prompt + tool schemas)
+              costs ~25-35 s of LoRA forward+backward on 2 cores: 10 minutes buy ~15 passes.
+  epochs      2 -> gpu 2; cpu 1 (13 conversations once is what fits the time budget).
+  batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2 (1 x 2): with 13 conversations, 128 would
+              be less than one step; more, smaller steps are what a short run needs.
+  lr          5e-6 -> gpu 1e-4, cpu 1e-3: a LoRA delta starts at zero and, with alpha/r = 2,
+              needs a 10-100x larger lr than full fine-tuning; the CPU run has only ~7 steps.
+  schedule    (not stated) -> 10% linear warmup (>= 1 step), cosine decay to 0; AdamW, no weight decay,
+              grad-norm clip 1.0.
+  max length  (not stated) -> gpu 8192, cpu 4096: whole conversations, never truncated in practice.
+Simplifications: template phrasing for the oracle (the paper synthesized with LLMs); the scripted
+user stands in for GPT-4o; no sequence packing (micro-batches are right-padded; micro-batch 1 on CPU).
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import Counter
+
+import torch
+
+import envs
+import rollout
+from kernels import sequence_logprobs
+from rollout import TextAgent
+
+
+# Sizes by machine. CPU: a 2,800-token conversation costs ~25-35 s of LoRA fwd+bwd on 2 cores (the
+# system prompt with tool schemas alone is ~1,700 tokens), so 10 minutes buy ~15 sequence passes.
+PRESETS = {
+    "gpu":   dict(tasks_per_scenario=167, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4, max_len=8192,
+                 save_every=20),                     # ~2,000 conversations over 12 scenarios, as in the paper
+    "cpu":   dict(tasks_per_scenario=1, epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3, max_len=4096,
+                 save_every=2),
+    "smoke": dict(tasks_per_scenario=1, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3, max_len=1800,
+                 save_every=1, max_steps=1),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=rollout.DEFAULT_MODEL, help="HF id / local path, or 'smollm2' (bundled)")
+    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: NF4 base weights (bitsandbytes)")
+    p.add_argument("--out", default="runs/sft", help="everything this run writes goes here")
+    p.add_argument("--smoke", action="store_true", help="tiny run (< 2 min on CPU) for tests")
+    p.add_argument("--seed", type=int, default=0, help="seed for tasks, oracle phrasing, user, data order")
+    # data
+    p.add_argument("--domains", default=",".join(envs.DOMAINS), help="comma-separated domains")
+    p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 1, gpu 167)")
+    p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
+    p.add_argument("--user", default="scripted", help="user simulator: scripted | openai:MODEL | local | none")
+    p.add_argument("--max-turns", type=int, default=30, help="max agent turns per conversation")
+    p.add_argument("--teacher", default=None, help="an OpenAI-compatible model as the agent instead of the oracle "
+                                                   "(key from $OPENAI_API_KEY)")
+    p.add_argument("--teacher-base-url", default=None, help="base URL of the teacher's server (default: OpenAI)")
+    # training
+    p.add_argument("--epochs", type=int, default=None, help="passes over the kept data (preset: cpu 1, gpu 2)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step (preset: cpu 2, gpu 32)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward pass (preset: cpu 1, gpu 4)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (preset: cpu 1e-3, gpu 1e-4)")
+    p.add_argument("--warmup-ratio", type=float, default=0.1, help="fraction of steps with linear warmup (>= 1 step)")
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    p.add_argument("--max-len", type=int, default=None, help="truncate sequences to this many tokens (preset)")
+    p.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (default: epochs x data)")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument("--grad-checkpointing", default="auto", choices=["auto", "on", "off"],
+                   help="recompute activations in backward; auto: on for CPU (memory is shared there)")
+    p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end (preset)")
+    p.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
+    # evaluation
+    p.add_argument("--eval-tasks", type=int, default=0, help="held-out test tasks per domain for base vs SFT pass^1 "
+                                                             "(0: skip; run eval.py instead)")
+    p.add_argument("--eval-trials", type=int, default=1, help="trials per eval task")
+    args = p.parse_args(argv)
+    preset = PRESETS["smoke" if args.smoke else "gpu" if rollout.DEVICE == "cuda" else "cpu"]
+    for k, v in preset.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.batch_size % args.micro_batch_size:
+        p.error("--batch-size must be a multiple of --micro-batch-size")
+    return args
+
+
+# ----------------------------------------------------------------------------- the oracle agent
+
+# How the oracle asks for each fact; every phrase holds a word of envs.FACT_KEYWORDS[key], which is
+# what the scripted user listens for before it reveals that fact.
+QUESTIONS = {"email": "your email address", "name": "your full name", "zip": "your zip code",
+             "user_id": "your user id", "order_id": "the order id", "reservation_id": "the reservation id",
+             "address": "the new address", "payment_method": "the payment method to use",
+             "item": "which item it is", "option": "which option you want (size, color)",
+             "reason": "the reason", "flight": "which flight you prefer", "insurance": "whether you want insurance",
+             "bags": "how many checked bags you need", "passenger": "the passenger names and dates of birth"}
+IDENTITY_ALTERNATIVES = {"name", "zip"}      # retail: name + zip would also identify; the oracle uses email
+
+
+def _flat(value) -> list[str]:
+    """All leaf values of tool-call arguments, as lowercase strings."""
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _flat(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _flat(v)]
+    return [str(value).lower()]
+
+
+def _uses(fact: str, action) -> bool:
+    """Does this call need this fact? (the fact's value and an argument contain one another)"""
+    v = str(fact).lower()
+    return any(a == v or (len(a) >= 4 and a in v) or (len(v) >= 4 and v in a) for a in _flat(action.arguments))
+
+
+def _describe(action) -> str:
+    """'cancel pending order (order id #W1234567, reason no longer needed)': names every argument,
+    so a confirmation request states ids, new values and the payment method, as the policies ask."""
+    def show(v):
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if isinstance(v, dict):
+            return " ".join(show(x) for x in v.values())
+        return ", ".join(show(x) for x in v) if isinstance(v, list) else str(v)
+    args = "; ".join(f"{k.replace('_', ' ')} {show(v)}" for k, v in action.arguments.items())
+    return f"{action.name.replace('_', ' ')} ({args})"
+
+
+class OracleAgent(TextAgent):
+    """Follows task.gold_actions, talking like a careful human agent.
+
+    Stateless: where it is in the plan is read off the conversation (how many tool calls it has made,
+    which facts it has asked for or heard, whether the user just said yes to the pending write), so
+    one instance serves a whole batch. Plan: ask for the facts the next steps need (all at once),
+    look up, ask to confirm each write naming every argument, act on a yes, then report (or refuse,
+    saying why) and say goodbye. Phrasing comes from templates drawn with an RNG seeded by
+    (seed, the conversation so far): reproducible, and varied across tasks and user seeds.
+    """
+
+    GREET = ["Thanks for reaching out!", "Hi, happy to help with that.", "Sure, I can help.", "Hello! Let's sort this out."]
+    ASK = ["Could you tell me {x}?", "Please share {x}.", "To look into this I'll need {x}.", "Can you give me {x}?"]
+    LOOK = ["Let me look that up.", "One moment while I check.", "Let me check our records.", "Checking now."]
+    ACK = ["Thanks.", "Got it.", "Okay, I have the details.", "Found it."]
+    CONFIRM = ["Here is what I will do: {what}. Shall I proceed (yes/no)?",
+               "To confirm, I'm about to {what}. Do you want me to proceed?",
+               "Please confirm: {what}. Should I go ahead?"]
+    ACT = ["Thank you, doing that now.", "Great, proceeding.", "Understood, making the change."]
+    DONE = ["All set: {what}.", "Done: {what}.", "That's complete: {what}."]
+    BYE = ["Is there anything else I can help with?", "Anything else I can do for you?", "Have a great day!"]
+
+    def __init__(self, tokenizer, seed: int = 0):
+        super().__init__(tokenizer)
+        self.seed = seed
+
+    def respond(self, task, messages: list[dict]) -> str:
+        seen = "|".join(m.get("content") or "" for m in messages[1:])
+        rng = random.Random(hashlib.md5(f"{self.seed}|{task.id}|{seen}".encode()).hexdigest())
+        writes = envs.WRITE_TOOLS[task.domain]
+        agent = [m for m in messages if m["role"] == "assistant"]
+        heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
+        asked = " ".join(m["content"] for m in agent).lower()
+        n_calls = sum(bool(m.get("tool_calls")) for m in agent)
+        writes_done = sum(m["tool_calls"][0]["name"] in writes for m in agent if m.get("tool_calls"))
+        opener = rng.choice(self.GREET) if not agent else rng.choice(self.ACK) if messages[-1]["role"] == "tool" else ""
+
+        if n_calls < len(task.gold_actions):
+            action = task.gold_actions[n_calls]
+            # 1. facts the steps up to the next write need, and (before the first write) facts no call
+            #    uses but a careful agent asks anyway (insurance, bags, which item): ask them together
+            upcoming = []
+            for a in task.gold_actions[n_calls:]:
+                upcoming.append(a)
+                if a.name in writes:
+                    break
+            first_write = upcoming[-1].name in writes and writes_done == 0
+            missing = [k for k, v in task.hidden_facts.items()
+                       if k not in IDENTITY_ALTERNATIVES and str(v).lower() not in heard
+                       and not any(w in asked for w in envs.FACT_KEYWORDS[k])
+                       and (any(_uses(v, a) for a in upcoming)
+                            or (first_write and not any(_uses(v, a) for a in task.gold_actions)))]
+            if missing:
+                x = ", ".join(QUESTIONS[k] for k in missing[:-1]) + (" and " if len(missing) > 1 else "") + QUESTIONS[missing[-1]]
+                return f"{opener} {rng.choice(self.ASK).format(x=x)}".strip()
+            call = "<tool_call>\n" + json.dumps({"name": action.name, "arguments": action.arguments}) + "\n</tool_call>"
+            if action.name not in writes:
+                return f"{opener} {rng.choice(self.LOOK)}".strip() + "\n" + call
+            # 2. a write: ask to confirm (naming every argument, so every confirm term); act after a yes
+            terms = task.confirm_terms[writes_done]
+            requested = agent and not agent[-1].get("tool_calls") and all(t in agent[-1]["content"] for t in terms)
+            if requested and messages[-1]["role"] == "user" and _is_yes(messages[-1]["content"]):
+                return rng.choice(self.ACT) + "\n" + call
+            return f"{opener} {rng.choice(self.CONFIRM).format(what=_describe(action))}".strip()
+        # 3. every gold call made: report what was done / asked for, or refuse and say why; then goodbye
+        if messages[-1]["role"] == "user":
+            return rng.choice(self.BYE)
+        return f"{opener} {self.report(task)} {rng.choice(self.BYE)}".strip()
+
+    @staticmethod
+    def report(task) -> str:
+        facts, out = task.hidden_facts, task.required_outputs
+        if task.scenario == "refuse_cancel_delivered":
+            return (f"I'm sorry, but I can't cancel order {facts['order_id']}: it has already been {out[0]}, "
+                    "and only pending orders can be cancelled.")
+        if task.scenario == "refuse_cancel_uninsured":
+            return (f"I'm sorry, but I can't cancel reservation {facts['reservation_id']}: it is in economy without "
+                    f"travel {out[0]}, and only insured or business-cabin reservations can be cancelled.")
+        if task.scenario == "order_status_total":
+            return f"Order {facts['order_id']} is {out[0]} and its total is ${out[1]}."
+        done = [_describe(a) for a in task.gold_actions if a.name in envs.WRITE_TOOLS[task.domain]]
+        return random.Random(task.id).choice(OracleAgent.DONE).format(what="; ".join(done)) + \
+            (" " + ", ".join(out) + "." if out else "")
+
+
+def _is_yes(text: str) -> bool:
+    t = text.lower()
+    return any(w in t for w in ("yes", "correct", "go ahead", "proceed", "sure")) and not t.startswith("no")
+
+
+# ----------------------------------------------------------------------------- data
+
+def make_agent(args, tokenizer):
+    if args.teacher is None:
+        return OracleAgent(tokenizer, seed=args.seed)
+    from eval import make_openai_agent          # one OpenAI-endpoint agent for the whole project
+    agent = make_openai_agent(args.teacher, args.teacher_base_url, temperature=0.0)
+    agent.tok, agent.fmt = tokenizer, rollout.ChatFormat(tokenizer)   # token ids of the model we train
+    return agent
+
+
+def openai_record(traj, tools) -> dict:
+    """A trajectory as one OpenAI-format chat sample (messages + tools), for `datasets`."""
+    msgs, n = [], 0
+    for m in traj.messages:
+        m = {"role": m["role"], "content": m["content"], **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"id": f"call_{n}", "type": "function",
+                                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                               for c in m["tool_calls"][:1]]
+            n += 1
+        elif m["role"] == "tool":
+            m["tool_call_id"] = f"call_{n - 1}"
+        msgs.append(m)
+    return {"messages": msgs, "tools": tools, "task_id": traj.task_id, "domain": traj.domain,
+            "scenario": traj.scenario, "tier": traj.tier}
+
+
+def make_data(args, tokenizer) -> list[dict]:
+    """Run the agent on train tasks; keep reward-1 conversations; write data files. -> token rows."""
+    agent, kept, tried, t0 = make_agent(args, tokenizer), [], Counter(), time.time()
+    with open(os.path.join(args.out, "data.jsonl"), "w") as f:
+        for domain in args.domains.split(","):
+            n = args.tasks_per_scenario * len(envs.SCENARIOS[domain])    # make_tasks goes round-robin
+            tasks = envs.make_tasks(domain, "train", n, seed=args.seed)
+            trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
+                                         user=args.user, max_turns=args.max_turns, seed=args.seed,
+                                         progress=True)
+            tools = envs.tool_schemas(domain)
+            for t in trajs:
+                tried[f"{domain}/{t.scenario}"] += 1
+                if t.reward == 1.0:
+                    f.write(json.dumps(openai_record(t, tools)) + "\n")
+                    kept.append({"task_id": t.task_id, "scenario": f"{domain}/{t.scenario}",
+                                 "token_ids": t.token_ids, "loss_mask": t.loss_mask})
+    per = {s: {"tried": n, "kept": sum(r["scenario"] == s for r in kept)} for s, n in sorted(tried.items())}
+    stats = {"agent": args.teacher or "oracle", "tried": sum(tried.values()), "kept": len(kept),
+             "acceptance_rate": len(kept) / max(1, sum(tried.values())), "per_scenario": per,
+             "mean_tokens": sum(len(r["token_ids"]) for r in kept) / max(1, len(kept)),
+             "mean_trained_tokens": sum(sum(r["loss_mask"]) for r in kept) / max(1, len(kept)),
+             "seconds": round(time.time() - t0, 1)}
+    json.dump(stats, open(os.path.join(args.out, "data_stats.json"), "w"), indent=1)
+    with open(os.path.join(args.out, "tokens.jsonl"), "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    print(f"data: kept {len(kept)}/{stats['tried']} ({stats['acceptance_rate']:.0%}), "
+          f"mean {stats['mean_tokens']:.0f} tokens ({stats['mean_trained_tokens']:.0f} trained), {stats['seconds']} s")
+    for s, c in per.items():
+        print(f"  {s:40s} {c['kept']}/{c['tried']}")
+    if not kept:
+        raise SystemExit("no conversation reached reward 1: nothing to train on (check the agent / teacher)")
+    return kept
+
+
+# ----------------------------------------------------------------------------- SFT pieces
+
+def collate(rows: list[dict], max_len: int, pad_id: int):
+    """Right-pad a micro-batch. -> input_ids, attention_mask, loss_mask, each (B, T) long."""
+    T = min(max_len, max(len(r["token_ids"]) for r in rows))
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        n = min(T, len(r["token_ids"]))
+        ids[i, :n] = torch.tensor(r["token_ids"][:n])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(r["loss_mask"][:n])
+    return ids, attn, mask
+
+
+def sft_loss_sum(model, ids, attn, mask) -> torch.Tensor:
+    """Sum over loss_mask tokens of -log p(token | prefix). Divide by the batch's token count."""
+    dev = model.get_input_embeddings().weight.device
+    logp = sequence_logprobs(model, ids.to(dev), attn.to(dev), mask.to(dev))   # (B, T), 0 off-mask
+    return -logp.sum()
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the peak lr: linear warmup, then cosine or linear decay to 0."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
+
+
+def total_steps(args, n_rows: int) -> int:
+    steps = args.epochs * math.ceil(n_rows / args.batch_size)
+    return steps if args.max_steps is None else min(steps, args.max_steps)
+
+
+def batch_rows(rows, step: int, batch_size: int, seed: int) -> list[dict]:
+    """The rows of optimizer step `step`: a fresh seeded shuffle each epoch, so resume needs only the step."""
+    per_epoch = math.ceil(len(rows) / batch_size)
+    epoch, i = divmod(step, per_epoch)
+    order = list(range(len(rows)))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    return [rows[j] for j in order[i * batch_size:(i + 1) * batch_size]]
+
+
+def save_checkpoint(out, model, opt, sched, step):
+    path = os.path.join(out, "checkpoints", f"step_{step:06d}")
+    model.save_pretrained(path)
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
+               os.path.join(path, "state.pt"))
+    for old in sorted(os.listdir(os.path.join(out, "checkpoints")))[:-2]:   # keep the last two
+        import shutil
+        shutil.rmtree(os.path.join(out, "checkpoints", old), ignore_errors=True)
+
+
+def load_latest_checkpoint(out, model, opt, sched) -> int:
+    """Restore the newest checkpoint under out/checkpoints; -> the step to continue from (0 if none)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    ckdir = os.path.join(out, "checkpoints")
+    done = sorted(d for d in os.listdir(ckdir) if os.path.exists(os.path.join(ckdir, d, "state.pt"))) \
+        if os.path.isdir(ckdir) else []
+    if not done:
+        return 0
+    path = os.path.join(ckdir, done[-1])
+    set_peft_model_state_dict(model, load_file(os.path.join(path, "adapter_model.safetensors")))
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    print(f"resumed from {path} (step {state['step']})")
+    return state["step"]
+
+
+def plot(metrics: list[dict], path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax[0].plot([m["step"] for m in metrics], [m["loss"] for m in metrics], marker=".")
+    ax[0].set(xlabel="step", ylabel="loss (nats / agent token)", title="SFT loss")
+    ax[1].plot([m["step"] for m in metrics], [m["lr"] for m in metrics])
+    ax[1].set(xlabel="step", ylabel="lr", title="schedule")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+def train(args, model, tokenizer, rows: list[dict]):
+    """The SFT loop. model: a PeftModel with trainable LoRA weights. -> list of per-step metrics."""
+    from tqdm import tqdm
+    os.makedirs(args.out, exist_ok=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    total = total_steps(args, len(rows))
+    warmup = max(1, round(args.warmup_ratio * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, args.schedule))
+    start = load_latest_checkpoint(args.out, model, opt, sched)
+    mpath = os.path.join(args.out, "metrics.jsonl")
+    metrics = [json.loads(l) for l in open(mpath)] if start and os.path.exists(mpath) else []
+    metrics = [m for m in metrics if m["step"] <= start]          # drop steps logged after the checkpoint
+    with open(mpath, "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    model.train()
+    bar = tqdm(range(start, total), initial=start, total=total, desc="sft", file=sys.stdout)
+    for step in bar:
+        t0 = time.time()
+        batch = batch_rows(rows, step, args.batch_size, args.seed)
+        n_tok = sum(sum(r["loss_mask"][:args.max_len]) for r in batch)   # normaliser for the whole batch
+        loss_sum, seen = 0.0, 0
+        for i in range(0, len(batch), args.micro_batch_size):
+            ids, attn, mask = collate(batch[i:i + args.micro_batch_size], args.max_len, pad)
+            loss = sft_loss_sum(model, ids, attn, mask) / max(1, n_tok)
+            loss.backward()                                             # grads accumulate over micro-batches
+            loss_sum += loss.item()
+            seen += int(attn.sum())
+        gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.time() - t0
+        m = {"step": step + 1, "epoch": step * args.batch_size / len(rows), "loss": loss_sum, "lr": lr,
+             "grad_norm": gnorm, "tokens": seen, "trained_tokens": n_tok, "seconds": dt, "tok_per_s": seen / dt}
+        metrics.append(m)
+        with open(mpath, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        bar.write(f"step {step + 1:4d}/{total} | loss {loss_sum:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
+                  f"tokens {seen:6d} ({n_tok} trained) | {dt:5.1f} s | {seen / dt:6.0f} tok/s")
+        if (step + 1) % args.save_every == 0 or step + 1 == total:
+            save_checkpoint(args.out, model, opt, sched, step + 1)
+        if args.stop_after is not None and step + 1 >= args.stop_after:
+            print(f"stopping after step {step + 1} (--stop-after); rerun to resume")
+            break
+    return metrics
+
+
+RESUME_FREE = {"stop_after", "eval_tasks", "eval_trials", "save_every"}  # may change on resume
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(vars(args))
+    os.makedirs(args.out, exist_ok=True)
+    apath = os.path.join(args.out, "args.json")
+    if os.path.exists(os.path.join(args.out, "checkpoints")) and os.path.exists(apath):
+        before = {k: v for k, v in json.load(open(apath)).items() if k not in RESUME_FREE}
+        now = {k: v for k, v in vars(args).items() if k not in RESUME_FREE}
+        if before != now:
+            diff = {k: (before.get(k), v) for k, v in now.items() if before.get(k) != v}
+            raise SystemExit(f"{args.out} holds a run with other settings {diff}: pick another --out or delete it")
+    json.dump(vars(args), open(apath, "w"), indent=1)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    if rollout.DEVICE == "cpu":
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    t0 = time.time()
+
+    tpath = os.path.join(args.out, "tokens.jsonl")
+    model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
+    if os.path.exists(os.path.join(args.out, "checkpoints")) and os.path.exists(tpath):
+        rows = [json.loads(l) for l in open(tpath)]     # resuming: train on the same data
+        print(f"data: reusing {len(rows)} conversations from {tpath}")
+    else:
+        rows = make_data(args, tokenizer)
+
+    rows = [r for r in rows if sum(r["loss_mask"][:args.max_len])]   # something left to learn after truncation
+    if not rows:
+        raise SystemExit(f"--max-len {args.max_len} cuts every conversation before the agent's first turn: raise it")
+    model = rollout.add_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
+    if args.grad_checkpointing == "on" or (args.grad_checkpointing == "auto" and rollout.DEVICE == "cpu"):
+        # recompute activations in backward: ~half the peak memory for ~30% more compute
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.print_trainable_parameters()
+    metrics = train(args, model, tokenizer, rows)
+    if metrics:
+        plot(metrics, os.path.join(args.out, "loss.png"))
+    total = total_steps(args, len(rows))
+    if not metrics or metrics[-1]["step"] < total:
+        return                                          # interrupted on purpose (--stop-after)
+    model.save_pretrained(os.path.join(args.out, "adapter"))
+    print(f"adapter -> {os.path.join(args.out, 'adapter')}; loss {metrics[0]['loss']:.3f} -> "
+          f"{metrics[-1]['loss']:.3f}; {time.time() - t0:.0f} s total")
+    if args.eval_tasks:
+        evaluate_base_vs_sft(args, model, tokenizer)
+
+
+def evaluate_base_vs_sft(args, model, tokenizer):
+    """pass^1 on held-out test tasks with the adapter off (base) and on (SFT), with eval.py's settings
+    for this machine; overall and on the easy tier. Written to <out>/eval.json."""
+    import eval as ev
+    preset = ev.GPU_DEFAULTS if rollout.DEVICE == "cuda" else ev.CPU_PRESET
+    tasks = [t for d in args.domains.split(",") for t in envs.make_tasks(d, "test", args.eval_tasks, seed=args.seed)]
+    kw = dict(trials=args.eval_trials, user=args.user, seed=args.seed, max_turns=preset["max_turns"],
+              max_context=preset["max_context"], max_new_tokens=preset["max_new_tokens"], recheck=0)
+    model.eval()
+    runs = {}
+    with model.disable_adapter():                      # same weights, LoRA off = the base model
+        runs["base"] = ev.evaluate(model, tokenizer, tasks, **kw)
+    runs["sft"] = ev.evaluate(model, tokenizer, tasks, **kw)
+    easy = {t.id for t in tasks if t.tier == "easy"}
+    table = {name: {"pass^1": ev.pass_hat_k(r["rewards"], 1),
+                    "pass^1_easy": ev.pass_hat_k({k: v for k, v in r["rewards"].items() if k in easy}, 1),
+                    "n_tasks": len(tasks), "n_easy": len(easy), "trials": args.eval_trials,
+                    "stop_reasons": r["stop_reasons"], "seconds": round(r["seconds"])} for name, r in runs.items()}
+    json.dump(table, open(os.path.join(args.out, "eval.json"), "w"), indent=1)
+    for name, row in table.items():
+        print(f"eval {name:4s}: pass^1 {row['pass^1']:.3f} (easy {row['pass^1_easy']:.3f}) on {len(tasks)} test tasks "
+              f"({len(easy)} easy) x {args.eval_trials} trials, {row['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
