@@ -112,16 +112,17 @@ def _check(value, schema, path="arguments"):
     for i, v in enumerate(value if schema["type"] == "array" else []):
         _check(v, schema["items"], f"{path}[{i}]")
     if schema["type"] == "object":
-        extra, missing = [k for k in value if k not in schema["properties"]], set(schema["required"]) - set(value)
-        problems = [f"unexpected {_short(extra)}"] * bool(extra) + [f"missing {sorted(missing)}"] * bool(missing)
-        if problems:
-            raise ToolError(f"{path}: {'; '.join(problems)}")
+        if set(value) != set(schema["properties"]):                   # every field is required, none is extra
+            raise ToolError(f"{path} needs exactly {sorted(schema['properties'])}, got {_short(list(value), 60)}")
         for k, v in value.items():
             _check(v, schema["properties"][k], k if path == "arguments" else f"{path}.{k}")
 
-def _get(table, key, what):
+def _get(table, key, what, status=None):
+    """table[key], which must exist and, if status is given, be in it (e.g. a pending order)."""
     if key not in table:
         raise ToolError(f"{what} {_short(key)} not found")
+    if status and table[key]["status"] != status:
+        raise ToolError(f"{what} {key} is {table[key]['status']}; only {status} {what}s allow this")
     return table[key]
 
 def _money(x):
@@ -184,12 +185,6 @@ def get_order_details(db, order_id):
 def get_product_details(db, product_id):
     return _get(db["products"], product_id, "product")
 
-def _order(db, order_id, status):
-    order = _get(db["orders"], order_id, "order")
-    if order["status"] != status:
-        raise ToolError(f"order {order_id} is {order['status']}; only {status} orders allow this")
-    return order
-
 def _item_indices(order, item_ids):
     owned = [i["item_id"] for i in order["items"]]
     if not item_ids or len(set(item_ids)) != len(item_ids) or any(i not in owned for i in item_ids):
@@ -197,40 +192,40 @@ def _item_indices(order, item_ids):
     return [owned.index(i) for i in item_ids]
 
 def _swap_items(db, order, item_ids, new_item_ids):
-    """Check a swap of items for other available variants of the same product: [(index, variant)]."""
+    """Check a swap of items for other available variants of the same product: [(index, variant)], price change."""
     if len(item_ids) != len(new_item_ids):
         raise ToolError("item_ids and new_item_ids must have the same length")
     swaps = [(i, db["products"][order["items"][i]["product_id"]]["variants"].get(new))
              for i, new in zip(_item_indices(order, item_ids), new_item_ids)]
     if any(v is None or v["item_id"] in item_ids or not v["available"] for _, v in swaps):
         raise ToolError("each new item must be another available variant of the same product")
-    return swaps
+    return swaps, _money(sum(v["price"] - order["items"][i]["price"] for i, v in swaps))
 
 @tool("retail", "Cancel a pending order.", write=True, order_id=S, reason={"type": "string", "enum": list(REASONS)})
 def cancel_pending_order(db, order_id, reason):
-    order = _order(db, order_id, "pending")
+    order = _get(db["orders"], order_id, "order", "pending")
     _refund_all(db, order)
     order.update(status="cancelled", cancel_reason=reason)
     return order
 
 @tool("retail", "Change a pending order's shipping address.", write=True, order_id=S, **ADDRESS)
 def modify_pending_order_address(db, order_id, **address):
-    _order(db, order_id, "pending")["address"] = address
+    _get(db["orders"], order_id, "order", "pending")["address"] = address
     return db["orders"][order_id]
 
 @tool("retail", "Swap items of a pending order for other variants.", write=True,
       order_id=S, item_ids=IDS, new_item_ids=IDS, payment_method_id=S)
 def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
-    order = _order(db, order_id, "pending")
-    swaps = _swap_items(db, order, item_ids, new_item_ids)
-    _pay(db, order, payment_method_id, sum(v["price"] - order["items"][i]["price"] for i, v in swaps))
+    order = _get(db["orders"], order_id, "order", "pending")
+    swaps, delta = _swap_items(db, order, item_ids, new_item_ids)
+    _pay(db, order, payment_method_id, delta)
     for i, v in swaps:
         order["items"][i].update(item_id=v["item_id"], options=v["options"], price=v["price"])
     return order
 
 @tool("retail", "Pay a pending order with another payment method.", write=True, order_id=S, payment_method_id=S)
 def modify_pending_order_payment(db, order_id, payment_method_id):
-    order = _order(db, order_id, "pending")
+    order = _get(db["orders"], order_id, "order", "pending")
     old = [p for p in order["payment_history"] if p["type"] == "payment"][-1]["payment_method_id"]
     if payment_method_id == old:
         raise ToolError("the new payment method must differ from the current one")
@@ -240,7 +235,7 @@ def modify_pending_order_payment(db, order_id, payment_method_id):
 
 @tool("retail", "Return items of a delivered order.", write=True, order_id=S, item_ids=IDS, payment_method_id=S)
 def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
-    order = _order(db, order_id, "delivered")
+    order = _get(db["orders"], order_id, "order", "delivered")
     _item_indices(order, item_ids)
     pm = _pay(db, order, payment_method_id, 0)
     if payment_method_id != order["payment_history"][0]["payment_method_id"] and pm["type"] != "gift_card":
@@ -251,9 +246,8 @@ def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
 @tool("retail", "Exchange items of a delivered order for other variants.", write=True,
       order_id=S, item_ids=IDS, new_item_ids=IDS, payment_method_id=S)
 def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
-    order = _order(db, order_id, "delivered")
-    swaps = _swap_items(db, order, item_ids, new_item_ids)
-    delta = _money(sum(v["price"] - order["items"][i]["price"] for i, v in swaps))
+    order = _get(db["orders"], order_id, "order", "delivered")
+    _, delta = _swap_items(db, order, item_ids, new_item_ids)
     _pay(db, order, payment_method_id, delta, dry_run=True)      # charged when the exchange is processed
     order.update(status="exchange requested", exchange_items=item_ids, exchange_new_items=new_item_ids,
                  exchange_payment_method_id=payment_method_id, exchange_price_difference=delta)
@@ -286,15 +280,10 @@ def _flight_day(db, flight_number, date, cabin, seats):
         raise ToolError(f"{flight_number} on {date} is in the past or has fewer than {seats} free {cabin} seats")
     return day
 
-def _free_bags(db, res):
+def _bag_fee(db, res, bags):
+    """BAG_FEE per bag beyond the free ones: per passenger 1 in economy, 2 in business, +1 for gold members."""
     per_passenger = {"economy": 1, "business": 2}[res["cabin"]] + (db["users"][res["user_id"]]["membership"] == "gold")
-    return len(res["passengers"]) * per_passenger
-
-def _active(db, reservation_id):
-    res = _get(db["reservations"], reservation_id, "reservation")
-    if res["status"] != "active":
-        raise ToolError(f"reservation {reservation_id} is {res['status']}")
-    return res
+    return BAG_FEE * max(0, bags - len(res["passengers"]) * per_passenger)
 
 @tool("airline", "Book a one-way direct flight.", write=True, user_id=S, flight_number=S, date=S,
       cabin={"type": "string", "enum": CABINS}, passengers=PASSENGERS, payment_method_id=S, insurance=B,
@@ -309,7 +298,7 @@ def book_reservation(db, user_id, flight_number, date, cabin, passengers, paymen
                passengers=passengers, insurance=insurance, total_baggages=total_baggages, status="active",
                payment_history=[])          # the id is deterministic, so the agent's run and the gold replay agree
     fare = len(passengers) * (day["prices"][cabin] + INSURANCE_FEE * insurance)
-    _pay(db, res, payment_method_id, fare + BAG_FEE * max(0, total_baggages - _free_bags(db, res)))
+    _pay(db, res, payment_method_id, fare + _bag_fee(db, res, total_baggages))
     day["seats"][cabin] -= len(passengers)
     db["reservations"][res["reservation_id"]] = res
     user["reservations"].append(res["reservation_id"])
@@ -317,7 +306,7 @@ def book_reservation(db, user_id, flight_number, date, cabin, passengers, paymen
 
 @tool("airline", "Cancel a reservation and refund it.", write=True, reservation_id=S)
 def cancel_reservation(db, reservation_id):
-    res = _active(db, reservation_id)
+    res = _get(db["reservations"], reservation_id, "reservation", "active")
     if not (res["insurance"] or res["cabin"] == "business"):
         raise ToolError("only reservations with travel insurance or in business cabin can be cancelled")
     _refund_all(db, res)
@@ -328,18 +317,17 @@ def cancel_reservation(db, reservation_id):
 @tool("airline", "Raise a reservation's total checked bags.", write=True,
       reservation_id=S, total_baggages=I, payment_method_id=S)
 def update_reservation_baggages(db, reservation_id, total_baggages, payment_method_id):
-    res = _active(db, reservation_id)
+    res = _get(db["reservations"], reservation_id, "reservation", "active")
     if not res["total_baggages"] < total_baggages <= 10:
         raise ToolError(f"total_baggages must be above the current {res['total_baggages']} and at most 10")
-    free = _free_bags(db, res)
-    _pay(db, res, payment_method_id, BAG_FEE * (max(0, total_baggages - free) - max(0, res["total_baggages"] - free)))
+    _pay(db, res, payment_method_id, _bag_fee(db, res, total_baggages) - _bag_fee(db, res, res["total_baggages"]))
     res["total_baggages"] = total_baggages
     return res
 
 @tool("airline", "Move a reservation to another flight or date on the same route.", write=True,
       reservation_id=S, flight_number=S, date=S, payment_method_id=S)
 def update_reservation_flights(db, reservation_id, flight_number, date, payment_method_id):
-    res = _active(db, reservation_id)
+    res = _get(db["reservations"], reservation_id, "reservation", "active")
     n, cabin = len(res["passengers"]), res["cabin"]
     new, flight = _flight_day(db, flight_number, date, cabin, n), db["flights"][flight_number]
     if (flight["origin"], flight["destination"]) != (res["origin"], res["destination"]) \
@@ -353,7 +341,7 @@ def update_reservation_flights(db, reservation_id, flight_number, date, payment_
 
 @tool("airline", "Correct passenger names or dates of birth.", write=True, reservation_id=S, passengers=PASSENGERS)
 def update_reservation_passengers(db, reservation_id, passengers):
-    res = _active(db, reservation_id)
+    res = _get(db["reservations"], reservation_id, "reservation", "active")
     if len(passengers) != len(res["passengers"]):
         raise ToolError(f"the reservation has {len(res['passengers'])} passengers")
     res["passengers"] = passengers
@@ -747,14 +735,6 @@ class Env:
 
 
 # ----------------------------------------------------------------------------- tour: python envs.py
-def _prompt_tokens(domain):
-    """Tokens of the rendered system prompt (policy + tool schemas) under the default tokenizer."""
-    try:
-        import rollout
-        return len(rollout.load_tokenizer()(rollout.system_prompt(POLICIES[domain], tool_schemas(domain))).input_ids)
-    except Exception as e:                            # no tokenizer here: say so rather than fail the tour
-        return f"unavailable ({type(e).__name__}: {e})"
-
 def main():
     for domain in DOMAINS:
         tasks = make_tasks(domain, "train", 2000)
@@ -772,7 +752,13 @@ def main():
                     print(f"  {a.name}({json.dumps(a.arguments)[:80]})\n    -> {obs[:100]}...")
             print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle: reward {env.reward(t.required_outputs)}; "
                   f"doing nothing: {Env(t).reward([])}")
-        print(f"\nsystem prompt tokens ({domain}): {_prompt_tokens(domain)}")
+        try:                                          # the system prompt (policy + tools), in tokens
+            import rollout
+            system = rollout.system_prompt(POLICIES[domain], tool_schemas(domain))
+            tokens = len(rollout.load_tokenizer()(system).input_ids)
+        except Exception as e:                        # no tokenizer here: say so rather than fail the tour
+            tokens = f"unavailable ({type(e).__name__}: {e})"
+        print(f"\nsystem prompt tokens ({domain}): {tokens}")
 
 
 if __name__ == "__main__":
