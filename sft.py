@@ -33,7 +33,7 @@ Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
               any HF model in 4-bit (GPU). rl.py's KL reference is this model with the adapter
               switched off, so SFT and RL share one frozen base; and full FT's fp32 Adam state
               would not fit 4-bit weights.
-  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 13 = 2,171; cpu: 1 per
+  data        ~2,000 conversations, 9 scenarios -> gpu: 154 per scenario x 13 = 2,002; cpu: 1 per
               scenario = 13. A 2,800-token conversation (1,700 of them system prompt + tool schemas)
               costs ~25-35 s of LoRA forward+backward on 2 cores: 10 minutes buy ~15 passes.
   epochs      2 -> gpu 2; cpu 1 (13 conversations once is what fits the time budget).
@@ -53,6 +53,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from collections import Counter
@@ -68,8 +69,8 @@ from rollout import TextAgent
 # Sizes by machine. CPU: a 2,800-token conversation costs ~25-35 s of LoRA fwd+bwd on 2 cores (the
 # system prompt with tool schemas alone is ~1,700 tokens), so 10 minutes buy ~15 sequence passes.
 PRESETS = {
-    "gpu":   dict(tasks_per_scenario=167, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4, max_len=8192,
-                 save_every=20),                     # ~2,000 conversations over 12 scenarios, as in the paper
+    "gpu":   dict(tasks_per_scenario=154, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4, max_len=8192,
+                 save_every=20),                     # 154 x 13 scenarios = 2,002 conversations, as in the paper
     "cpu":   dict(tasks_per_scenario=1, epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3, max_len=4096,
                  save_every=2),
     "smoke": dict(tasks_per_scenario=1, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3, max_len=1800,
@@ -86,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for tasks, oracle phrasing, user, data order")
     # data
     p.add_argument("--domains", default=",".join(envs.DOMAINS), help="comma-separated domains")
-    p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 1, gpu 167)")
+    p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 1, gpu 154)")
     p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
     p.add_argument("--user", default="scripted", help="user simulator: scripted | openai:MODEL | local | none")
     p.add_argument("--max-turns", type=int, default=30, help="max agent turns per conversation")
@@ -219,7 +220,8 @@ class OracleAgent(TextAgent):
                        and (any(_uses(v, a) for a in upcoming)
                             or (first_write and not any(_uses(v, a) for a in task.gold_actions)))]
             if missing:
-                x = ", ".join(QUESTIONS[k] for k in missing[:-1]) + (" and " if len(missing) > 1 else "") + QUESTIONS[missing[-1]]
+                q = [QUESTIONS.get(k, f"your {envs.FACT_KEYWORDS[k][0]}") for k in missing]
+                x = ", ".join(q[:-1]) + (" and " if len(q) > 1 else "") + q[-1]
                 return f"{opener} {rng.choice(self.ASK).format(x=x)}".strip()
             call = "<tool_call>\n" + json.dumps({"name": action.name, "arguments": action.arguments}) + "\n</tool_call>"
             if action.name not in writes:
@@ -261,10 +263,8 @@ def _is_yes(text: str) -> bool:
 def make_agent(args, tokenizer):
     if args.teacher is None:
         return OracleAgent(tokenizer, seed=args.seed)
-    from eval import make_openai_agent          # one OpenAI-endpoint agent for the whole project
-    agent = make_openai_agent(args.teacher, args.teacher_base_url, temperature=0.0)
-    agent.tok, agent.fmt = tokenizer, rollout.ChatFormat(tokenizer)   # token ids of the model we train
-    return agent
+    from eval import OpenAIAgent                # one OpenAI-endpoint agent for the whole project
+    return OpenAIAgent(tokenizer, args.teacher, base_url=args.teacher_base_url, temperature=0.0)
 
 
 def openai_record(traj, tools) -> dict:
@@ -371,7 +371,6 @@ def save_checkpoint(out, model, opt, sched, step):
                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
                os.path.join(path, "state.pt"))
     for old in sorted(os.listdir(os.path.join(out, "checkpoints")))[:-2]:   # keep the last two
-        import shutil
         shutil.rmtree(os.path.join(out, "checkpoints", old), ignore_errors=True)
 
 
@@ -447,7 +446,8 @@ def train(args, model, tokenizer, rows: list[dict]):
         opt.zero_grad(set_to_none=True)
         dt = time.time() - t0
         m = {"step": step + 1, "epoch": step * args.batch_size / len(rows), "loss": loss_sum, "lr": lr,
-             "grad_norm": gnorm, "tokens": seen, "trained_tokens": n_tok, "seconds": dt, "tok_per_s": seen / dt}
+             "grad_norm": gnorm, "tokens": seen, "trained_tokens": n_tok, "seconds": dt, "tok_per_s": seen / dt,
+             "task_ids": [r.get("task_id") for r in batch]}
         metrics.append(m)
         with open(mpath, "a") as f:
             f.write(json.dumps(m) + "\n")

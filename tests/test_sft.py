@@ -118,6 +118,8 @@ def test_resume_continues_with_identical_state(tmp_path):
 
 
 def test_oracle_solves_tasks_of_every_scenario():
+    for key, words in envs.FACT_KEYWORDS.items():                 # its questions use the user's keywords
+        assert any(w in sft.QUESTIONS.get(key, words[0]) for w in words), key
     tok = rollout.load_tokenizer()
     agent = sft.OracleAgent(tok, seed=0)
     for domain in envs.DOMAINS:
@@ -146,3 +148,29 @@ def test_smoke_run(tmp_path):
     for f in ("adapter/adapter_config.json", "loss.png", "args.json"):
         assert (out / f).exists(), f
     print(f"smoke run {time.time() - t0:.0f} s")   # ~30 s on a quiet 2-core machine; minutes when shared
+
+
+def test_teacher_path_talks_openai_chat_and_drops_failures(monkeypatch, tmp_path):
+    """--teacher: the endpoint gets plain chat (system, user, tool results as user turns); a teacher
+    that solves nothing yields no data and one clear error line."""
+    import openai
+    seen = []
+
+    class FakeOpenAI:                       # stands in for any OpenAI-compatible server
+        def __init__(self, **kw):
+            self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+        def create(self, model, messages, **kw):
+            seen.append(messages)
+            return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="Let me think."))])
+
+    monkeypatch.setattr(openai, "OpenAI", FakeOpenAI)
+    args = sft.parse_args(["--teacher", "fake-model", "--out", str(tmp_path), "--domains", "airline",
+                           "--max-turns", "3"])
+    with pytest.raises(SystemExit, match="no conversation reached reward 1"):
+        sft.make_data(args, rollout.load_tokenizer())
+    stats = json.load(open(tmp_path / "data_stats.json"))
+    assert stats["agent"] == "fake-model" and stats["kept"] == 0
+    assert stats["tried"] == len(envs.SCENARIOS["airline"])
+    assert seen and seen[0][0]["role"] == "system" and "<tools>" in seen[0][0]["content"]
+    assert {m["role"] for msgs in seen for m in msgs} <= {"system", "user", "assistant"}
