@@ -16,9 +16,11 @@ Simplifications vs the paper
   * the user is a scripted simulator by default (a 135M model cannot play a user); the
     paper's GPT-4o user is `--user openai:MODEL`;
   * only the first tool call of a turn is executed (as in the official code);
-  * one process, plain HF generate (no vLLM); the KV cache is not reused across rounds.
+  * one process, plain HF generate (no vLLM); of the KV cache only the shared system-prompt prefix
+    is reused across rounds (each round re-reads the rest of every conversation).
 """
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -31,6 +33,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
+
+import envs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # bf16 matmuls are slow on these CPUs
@@ -68,13 +73,9 @@ def _smollm2_cache() -> str:
     return path
 
 
-def _resolve(name: str) -> str:
-    return _smollm2_cache() if name == DEFAULT_MODEL else name
-
-
 def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(_resolve(name))
+    tok = AutoTokenizer.from_pretrained(_smollm2_cache() if name == DEFAULT_MODEL else name)
     tok.pad_token = tok.pad_token or tok.eos_token
     tok.padding_side = "left"            # generation batches are left-padded
     return tok
@@ -83,7 +84,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 def load_model(name: str = DEFAULT_MODEL, load_in_4bit: bool = False):
     """(model, tokenizer). name: "smollm2" or any HF causal LM id / local path."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    path = _resolve(name)
+    path = _smollm2_cache() if name == DEFAULT_MODEL else name
     kw = {"dtype": DTYPE}
     if load_in_4bit:                     # paper scale: NF4 weights, bf16 (GPU) / fp32 (CPU) compute
         kw["quantization_config"] = BitsAndBytesConfig(
@@ -107,9 +108,8 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     if getattr(model, "is_loaded_in_4bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear",
-                     task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                            target_modules="all-linear", task_type="CAUSAL_LM"))
 
 
 def load_adapter(model, path: str, trainable: bool = False):
@@ -138,8 +138,8 @@ def _template_renders_tools(tok) -> bool:
     """Render a chat with and without a probe tool: many templates (SmolLM2's) silently drop tools=."""
     tool = {"type": "function", "function": {"name": "probe_tool_xyz", "description": "d", "parameters": {}}}
     try:
-        return "probe_tool_xyz" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool],
-                                                           tokenize=False)
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+        return "probe_tool_xyz" in tok.apply_chat_template(msgs, tools=[tool], tokenize=False)
     except Exception:                    # no template at all, or one that chokes on tools
         return False
 
@@ -157,26 +157,26 @@ class ChatFormat:
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False).input_ids
 
-    def _turn(self, role: str, content: str) -> str:
+    def _turn(self, role: str, content: str, truncated: bool = False) -> str:
         if role == "tool":                               # Qwen: tool results live in a user turn
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+        return f"<|im_start|>{role}\n{content}{'' if truncated else '<|im_end|>'}\n"
 
     def render(self, messages: list[dict]) -> str:
         """The whole conversation as text (reference for tests; rollouts only append deltas).
         An assistant message with "truncated": True was cut at max_new_tokens: it has no end-of-turn."""
         if self.native:
             return self.tok.apply_chat_template(messages, tokenize=False)
-        out = ""
-        for m in messages:
-            t = self._turn(m["role"], m["content"])
-            out += t.replace("<|im_end|>\n", "\n") if m.get("truncated") else t
-        return out
+        return "".join(self._turn(m["role"], m["content"], m.get("truncated", False)) for m in messages)
 
-    def prompt_ids(self, system: str, first_user: str) -> list[int]:
+    def prompt_ids(self, system: str, first_user: str, tools: list[dict] | None = None) -> list[int]:
+        """system + first user turn + assistant header. With tools, system is the bare policy and the
+        tools are rendered by the tokenizer's template (native) or by system_prompt() (ours)."""
+        if tools and not self.native:
+            system = system_prompt(system, tools)
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": first_user}]
         if self.native:
-            return self._ids(self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            return self._ids(self.tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True))
         return self._ids("".join(self._turn(m["role"], m["content"]) for m in msgs) + "<|im_start|>assistant\n")
 
     def delta_ids(self, role: str, content: str) -> list[int]:
@@ -206,16 +206,13 @@ def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
         pos = m.end()
         try:
             obj = json.loads(m.group(1).strip())
+            if isinstance(obj, dict) and isinstance(obj.get("arguments"), str):   # some models emit
+                obj["arguments"] = json.loads(obj["arguments"])                   # a JSON string
         except json.JSONDecodeError as e:
             return calls, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return calls, 'tool call must be a JSON object with a string "name"'
         args = obj.get("arguments", {})
-        if isinstance(args, str):                        # some models emit arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
         if not isinstance(args, dict):
             return calls, '"arguments" must be a JSON object'
         calls.append({"name": obj["name"], "arguments": args})
@@ -261,9 +258,8 @@ class User:
     def __init__(self, task):
         self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
 
-    def first_message(self) -> str: raise NotImplementedError
-
-    def reply(self, messages: list[dict]) -> str: raise NotImplementedError
+    def first_message(self) -> str: raise NotImplementedError               # noqa: E704
+    def reply(self, messages: list[dict]) -> str: raise NotImplementedError  # noqa: E301, E704
 
 
 _ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"
@@ -287,7 +283,6 @@ class ScriptedUser(User):
 
     def __init__(self, task, seed: int = 0, patience: int = 10):
         super().__init__(task)
-        import envs
         self.keywords, self.rng, self.patience, self.replies = envs.FACT_KEYWORDS, random.Random(seed), patience, 0
         self.confirmed = [False] * len(task.confirm_terms)
 
@@ -298,8 +293,7 @@ class ScriptedUser(User):
     def reply(self, messages: list[dict]) -> str:
         self.replies += 1
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
-        last = said[-1] if said else ""
-        low = last.lower()
+        low = (last := said[-1] if said else "").lower()
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
         if all(self.confirmed) and self.confirmed:        # all writes approved: the agent reported back
@@ -310,8 +304,7 @@ class ScriptedUser(User):
             outs = self.task.required_outputs
             if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
-        facts = [f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}." for k in asked]
-        parts = facts
+        parts = facts = [f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}." for k in asked]
         if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:
             match = next((i for i, terms in enumerate(self.task.confirm_terms) if not self.confirmed[i]
                           and all(t.lower() in low for t in terms)), None)
@@ -489,23 +482,42 @@ def make_user(spec: str, task, seed: int = 0, **kw) -> User:
 # new_token_ids end with the end-of-turn token, unless the turn was cut at max_new_tokens.
 
 class ModelAgent:
-    """The policy: one batched, left-padded HF generate call per round."""
+    """The policy: one batched HF generate call per round. The prompt prefix all rows share (the
+    system prompt, ~1.8k tokens: the bulk of a CPU round's cost) is prefilled once into a KV cache and
+    reused by every row and round while the weights are unchanged (tensor _version counters)."""
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256):
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.prefix, self.prefix_kv = (), None       # ((token ids, weights version), DynamicCache)
+
+    def _shared_prefix(self, rows) -> tuple:
+        cap = min(map(len, rows)) - 1                  # each row keeps >= 1 token for generate to feed
+        n = next((i for i in range(cap) if any(r[i] != rows[0][i] for r in rows)), cap)
+        old = self.prefix[0] if self.prefix else ()
+        return old if 0 < len(old) <= n and tuple(rows[0][:len(old)]) == old else tuple(rows[0][:n])
 
     @torch.no_grad()
     def act(self, batch):
-        B, L, pad = len(batch), max(len(ids) for _, _, ids in batch), self.tok.pad_token_id
-        input_ids, attn = torch.full((B, L), pad), torch.zeros((B, L), dtype=torch.long)   # (B, L)
-        for b, (_, _, ids) in enumerate(batch):        # left padding; pad == eos, so the attention
-            input_ids[b, L - len(ids):], attn[b, L - len(ids):] = torch.tensor(ids), 1   # mask is positional
-        was_training = self.model.training
+        rows, pad, was_training = [ids for _, _, ids in batch], self.tok.pad_token_id, self.model.training
         self.model.eval()
+        prefix = self._shared_prefix(rows)
+        key = (prefix, sum(p._version for p in self.model.parameters()))  # bumped by optimizer steps
+        if prefix and self.prefix != key:
+            self.prefix, self.prefix_kv = key, self.model(torch.tensor([prefix], device=self.model.device)).past_key_values
+        P, B, L = len(prefix), len(rows), max(map(len, rows))
+        kv = copy.deepcopy(self.prefix_kv) if P else None   # generate appends to it: keep the original
+        if P:
+            kv.batch_repeat_interleave(B)                # (1, heads, P, d) -> (B, heads, P, d) per layer
+        # prefix, then padding, then the row's own tokens. pad == eos, so the attention mask (and from it
+        # the position ids) comes from positions, never from pad ids.
+        input_ids, attn = torch.full((B, L), pad), torch.zeros((B, L), dtype=torch.long)   # (B, L)
+        input_ids[:, :P], attn[:, :P] = torch.tensor(prefix, dtype=torch.long), 1
+        for b, ids in enumerate(rows):
+            input_ids[b, L - len(ids) + P:], attn[b, L - len(ids) + P:] = torch.tensor(ids[P:]), 1
         out = self.model.generate(
             input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
-            do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
+            past_key_values=kv, do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
             max_new_tokens=self.max_new_tokens, eos_token_id=self.fmt.end_of_turn_id, pad_token_id=pad,
             output_logits=True, return_dict_in_generate=True)
         self.model.train(was_training)
@@ -545,8 +557,6 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
     """len(tasks) * group_size rollouts, task-major. Each round every conversation waiting on the agent
     is advanced by one agent.act() call; then each executes its first tool call or gets its user's reply.
     Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs)."""
-    import envs
-    from tqdm import tqdm
     fmt = ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)
     def add(traj, ids, logprobs=None):                   # logprobs given <=> sampled by the agent: mask 1
@@ -567,10 +577,9 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
             system, first = system_prompt(env.policy, env.tools), u.first_message()
             traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, [], [], [],
                               [{"role": "system", "content": system}, {"role": "user", "content": first}],
-                              stats=dict.fromkeys(["tool_calls", "tool_errors", "malformed_calls", "truncated_turns",
-                                                   "extra_calls_ignored", "sampled_tokens", "user_tokens",
-                                                   "tool_tokens"], 0))
-            add(traj, fmt.prompt_ids(system, first))
+                              stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
+                                                   "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))
+            add(traj, fmt.prompt_ids(env.policy, first, env.tools))   # messages[0] holds the tools as text
             if len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
                 traj.stop_reason = "context_limit"
             convs.append((env, u, traj))
@@ -631,17 +640,15 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
 
 def bench(model, tok, args):
     """Sampled tokens/s of the batched loop vs one conversation at a time, same run, same settings."""
-    import envs
     tasks = envs.make_tasks("retail", "train", 16, seed=args.seed)
-    agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=args.bench_tokens)
-    kw = dict(max_turns=args.bench_turns, progress=False)
-    print(f"bench: {args.bench_turns} turns x <= {args.bench_tokens} new tokens per conversation, "
+    agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=args.max_new_tokens)
+    kw = dict(max_turns=args.max_turns, progress=False)
+    print(f"bench: {args.max_turns} turns x <= {args.max_new_tokens} new tokens per conversation, "
           f"{torch.get_num_threads()} threads, {DEVICE}\n{'convs':>5} {'mode':>10} {'tokens':>7} {'seconds':>8} "
           f"{'tok/s':>7} {'speedup':>7}")
     for n in (8, 16):
         rates = {}
         for mode in ("sequential", "batched"):
-            torch.manual_seed(args.seed)
             t0 = time.time()
             groups = [tasks[:n]] if mode == "batched" else [[t] for t in tasks[:n]]
             trajs = [t for g in groups for t in run_episodes(agent, tok, g, seed=args.seed, **kw)]
@@ -666,9 +673,8 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    ap.add_argument("--bench", action="store_true", help="print batched vs sequential tokens/s at 8 and 16")
-    ap.add_argument("--bench-turns", type=int, default=2, help="agent turns per conversation in --bench")
-    ap.add_argument("--bench-tokens", type=int, default=48, help="max new tokens per turn in --bench")
+    ap.add_argument("--bench", action="store_true", help="batched vs sequential tokens/s at 8 and 16 conversations "
+                    "(try --max-turns 2 --max-new-tokens 48 on CPU)")
     args = ap.parse_args()
     print(vars(args))
     torch.set_num_threads(args.threads)
@@ -677,7 +683,6 @@ def main():
         model = load_adapter(model, args.adapter)
     if args.bench:
         return bench(model, tok, args)
-    import envs
     torch.manual_seed(args.seed)
     tasks = envs.make_tasks(args.domain, args.split, args.tasks, seed=args.seed)
     agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens)

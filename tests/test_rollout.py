@@ -3,6 +3,7 @@
 Formatting tests use the real (cached) SmolLM2 tokenizer; generation tests use a tiny random Llama with
 the same vocabulary, so everything runs in well under a minute on CPU.
 """
+import copy
 import json
 
 import pytest
@@ -92,6 +93,34 @@ def test_deltas_concatenate_to_rendered_conversation(tok):
     assert ids.count(1) == 7 and ids.count(2) == 6   # <|im_start|> per turn + next header; <|im_end|> per turn
 
 
+QWEN_LIKE = ("{%- for m in messages %}{%- if m.role == 'system' and tools %}"
+             "{{ '<|im_start|>system\\n' + m.content + '\\n# Tools: ' + (tools | map(attribute='function.name') | join(',')) + '<|im_end|>\\n' }}"
+             "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+             "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+             "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_native_template_deltas_match_the_tokenizer_template(tok):
+    """A tokenizer whose template renders tools= (Qwen-style) is used as is; deltas are cut from it."""
+    qtok = copy.deepcopy(tok)
+    qtok.chat_template = QWEN_LIKE
+    fmt = ChatFormat(qtok)
+    assert fmt.native and fmt.end_of_turn_id == 2
+    msgs = [{"role": "system", "content": "Policy."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "<tool_call>{}</tool_call>"}, {"role": "tool", "content": "Error: x"},
+            {"role": "assistant", "content": "Your email?"}, {"role": "user", "content": "a@b.c"}]
+    ids = fmt.prompt_ids("Policy.", "Hi")
+    for m in msgs[2:]:
+        ids += (qtok(m["content"], add_special_tokens=False).input_ids + [2] if m["role"] == "assistant"
+                else fmt.delta_ids(m["role"], m["content"]))
+    assert qtok.decode(ids) == qtok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert qtok.decode(ids) == ChatFormat(tok).render(msgs) + "<|im_start|>assistant\n"   # same format as ours
+    tools = envs.tool_schemas("retail")[:2]
+    with_tools = qtok.decode(fmt.prompt_ids("Policy.", "Hi", tools))
+    assert "# Tools: " + ",".join(t["function"]["name"] for t in tools) in with_tools       # template's own rendering
+    assert tok.decode(ChatFormat(tok).prompt_ids("Policy.", "Hi", tools)).count('{"type": "function"') == 2   # ours
+
+
 def test_system_prompt_lists_every_tool(tok):
     env = envs.Env(envs.make_tasks("retail", "train", 1)[0])
     sp = rollout.system_prompt(env.policy, env.tools)
@@ -127,7 +156,7 @@ def test_parse_tool_calls(text, n_calls, error):
 # ----------------------------------------------------------------------------- users
 
 def test_scripted_user_reveals_only_what_is_asked_and_confirms_only_the_right_action():
-    task = next(t for t in tasks_by_scenario("retail") if t.scenario == "modify_order_address")
+    task = next(t for t in tasks_by_scenario("retail") if len(t.confirm_terms) == 1 and len(t.confirm_terms[0]) == 2)
     u = ScriptedUser(task, seed=3)
     assert task.opening in u.first_message()
     a = lambda text: [{"role": "assistant", "content": text}]
@@ -135,12 +164,12 @@ def test_scripted_user_reveals_only_what_is_asked_and_confirms_only_the_right_ac
     assert task.hidden_facts["email"] in r and task.hidden_facts["order_id"] not in r
     r = u.reply(a("Thanks. Which order id is it?"))
     assert task.hidden_facts["order_id"] in r and task.hidden_facts["email"] not in r
-    oid, street = task.confirm_terms[0]
-    r = u.reply(a(f"Shall I change the address of order {oid} to 1 Wrong Rd?"))   # wrong action: no
+    first, second = task.confirm_terms[0]
+    r = u.reply(a(f"Shall I go ahead with {first} only?"))          # incomplete action: no
     assert r.startswith("No") and task.opening in r and STOP not in r
-    r = u.reply(a(f"Shall I change the address of order {oid} to {street}?"))
+    r = u.reply(a(f"Shall I go ahead with {first} and {second}?"))
     assert r.lower().startswith(("yes", "correct")) and STOP not in r
-    assert STOP in u.reply(a("Done, the address is updated."))
+    assert STOP in u.reply(a("Done, all updated."))
 
 
 def test_scripted_user_lookup_task_stops_when_outputs_said_and_patience_runs_out():
@@ -174,23 +203,33 @@ def test_no_user_gives_everything_up_front():
 # ----------------------------------------------------------------------------- agents and the loop
 
 def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
-    """Batch of two prompts of different lengths (left padding): stored log-probs equal a teacher-forced
-    recomputation of log_softmax(logits / T) on each unpadded row; rows are cut at end-of-turn."""
-    agent = ModelAgent(tiny, tok, temperature=1.3, max_new_tokens=12)
-    prompts = [tok("Hello there, how are you today?").input_ids, tok("Hi").input_ids]
-    torch.manual_seed(1)
-    outs = agent.act([(None, [], p) for p in prompts])
-    assert len(outs) == 2
-    ranks = []
-    for p, (ids, lps) in zip(prompts, outs):
-        assert len(ids) == len(lps) and 0 < len(ids) <= 12
-        assert 2 not in ids[:-1] and (ids[-1] == 2 or len(ids) == 12)
-        with torch.no_grad():
-            logits = tiny(torch.tensor([p + ids])).logits[0, len(p) - 1:-1]
-        ref = torch.log_softmax(logits / 1.3, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        print("max |stored - recomputed| log-prob:", (ref - torch.tensor(lps)).abs().max().item())
-        assert torch.allclose(ref, torch.tensor(lps), atol=1e-4)
-        ranks += [(logits[t] > logits[t, i]).sum().item() for t, i in enumerate(ids) if i != 2]
+    """Three prompts sharing a prefix, suffixes of different lengths (padding sits between the cached
+    prefix and each suffix): stored log-probs equal a teacher-forced recomputation of log_softmax(logits / T)
+    on each unpadded row; rows are cut at end-of-turn; the prefix cache is reused across calls and
+    recomputed after a weight update."""
+    model = copy.deepcopy(tiny)
+    agent = ModelAgent(model, tok, temperature=1.3, max_new_tokens=12)
+    common = tok("<|im_start|>system\nYou are a helpful agent.<|im_end|>\n", add_special_tokens=False).input_ids
+    prompts = [common + tok(x).input_ids for x in ("Hello there, how are you today?", "Hi", "Cancel #W1 now")]
+    ranks, caches = [], []
+    for call in range(3):
+        if call == 2:                                  # an optimizer step changes the weights in place
+            with torch.no_grad():
+                model.model.layers[0].self_attn.v_proj.weight.mul_(10.0)
+        torch.manual_seed(call)
+        outs = agent.act([(None, [], p) for p in prompts])
+        assert len(outs) == 3 and agent.prefix[0] == tuple(common)
+        caches.append(agent.prefix_kv)
+        for p, (ids, lps) in zip(prompts, outs):
+            assert len(ids) == len(lps) and 0 < len(ids) <= 12
+            assert 2 not in ids[:-1] and (ids[-1] == 2 or len(ids) == 12)
+            with torch.no_grad():
+                logits = model(torch.tensor([p + ids])).logits[0, len(p) - 1:-1]
+            ref = torch.log_softmax(logits / 1.3, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            print(f"call {call}: max |stored - recomputed| log-prob {(ref - torch.tensor(lps)).abs().max().item():.2e}")
+            assert torch.allclose(ref, torch.tensor(lps), atol=1e-5)
+            ranks += [(logits[t] > logits[t, i]).sum().item() for t, i in enumerate(ids) if i != 2]
+    assert caches[0] is caches[1] and caches[2] is not caches[1]
     # generate's default top_k=50 must be off: on a near-uniform random model most samples rank far beyond 50
     assert max(ranks) > 1000, ranks
 
