@@ -1,0 +1,246 @@
+"""Tests for rl.py: the GRPO pieces on hand-computed numbers, a tiny random Llama + LoRA for
+the KL / gradient-mask / update checks, then a 2-step --smoke run and a real SIGKILL resume."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl import batch_trajectories, group_advantages, grpo_loss, grpo_update
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- pure functions
+
+def test_group_advantages_normalise_per_group():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0,   1.0, 1.0, 0.0, 0.0])   # two groups of G=4
+    adv, zero_var = group_advantages(r, 4, eps=0.0)
+    # group 0: mean 0.25, population std sqrt(0.25*0.75)=0.4330
+    s = math.sqrt(0.25 * 0.75)
+    assert torch.allclose(adv[:4], torch.tensor([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s]))
+    assert torch.allclose(adv[4:], torch.tensor([1.0, 1.0, -1.0, -1.0]))
+    assert torch.allclose(adv.view(2, 4).mean(1), torch.zeros(2), atol=1e-6)
+    assert zero_var.tolist() == [False, False]
+
+
+def test_zero_variance_groups_are_flagged_and_have_zero_advantage():
+    r = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.5])     # G=2: groups (0,0) (1,1) (1,0) (.5,.5)
+    adv, zero_var = group_advantages(r, 2)
+    assert zero_var.tolist() == [True, True, False, True]
+    assert adv[[0, 1, 2, 3, 6, 7]].abs().max().item() == 0.0
+    assert adv[4].item() == pytest.approx(1.0, abs=1e-3) and adv[5].item() == pytest.approx(-1.0, abs=1e-3)
+
+
+def test_grpo_loss_matches_hand_computation():
+    nan = 123.0                                        # garbage at masked positions must not matter
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    adv = torch.tensor([1.0, -1.0])
+    logp = torch.tensor([[nan, -1.0, -2.0], [nan, -0.5, nan]], requires_grad=True)
+    old = torch.tensor([[nan, -1.2, -2.0], [nan, -0.5, nan]])
+    ref = torch.tensor([[nan, -1.0, -2.5], [nan, -0.3, nan]])
+    loss, st = grpo_loss(logp, old, ref, adv, mask, clip=0.2, beta=0.1)
+    # token a: ratio e^0.2 = 1.2214 > 1.2 and A = +1 -> clipped surrogate 1.2; KL d=0 -> 0
+    # token b: ratio 1, A = +1 -> surrogate 1;  KL d = -0.5 -> e^-0.5 + 0.5 - 1 = 0.106531
+    # token c: ratio 1, A = -1 -> surrogate -1; KL d = 0.2 -> e^0.2 - 0.2 - 1 = 0.021403
+    kl_b, kl_c = math.exp(-0.5) + 0.5 - 1, math.exp(0.2) - 0.2 - 1
+    expected = (-1.2 - 1.0 + 1.0 + 0.1 * (0.0 + kl_b + kl_c)) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert expected == pytest.approx(-0.3957355, abs=1e-6)
+    assert st["clipped"] == 1 and st["tokens"] == 3
+    assert st["kl_sum"] == pytest.approx(kl_b + kl_c, abs=1e-6)
+    loss.backward()
+    g = logp.grad
+    # masked positions: exactly zero; clipped token with d=0: exactly zero (constant surrogate, KL' = 0)
+    assert g[0, 0].item() == 0.0 and g[1, 0].item() == 0.0 and g[1, 2].item() == 0.0
+    assert g[0, 1].item() == 0.0
+    # token b: d/dlogp[-ratio*A + beta*(e^(ref-logp) - (ref-logp) - 1)] = -1 + 0.1*(1 - e^-0.5), over 3 tokens
+    assert g[0, 2].item() == pytest.approx((-1.0 + 0.1 * (1 - math.exp(-0.5))) / 3, abs=1e-6)
+    assert g[1, 1].item() == pytest.approx((1.0 + 0.1 * (1 - math.exp(0.2))) / 3, abs=1e-6)
+
+
+def test_negative_advantage_clips_low_side():
+    mask = torch.ones(1, 1)
+    loss, st = grpo_loss(torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), torch.zeros(1, 1),
+                         torch.tensor([-1.0]), mask, clip=0.2, beta=0.0)
+    assert loss.item() == pytest.approx(0.8) and st["clipped"] == 1   # min(-0.5, -0.8) = -0.8
+
+
+def test_batch_trajectories_masks_from_positions_not_pad_ids():
+    eos = 2                                            # pad == eos: the trained end-of-turn token is id 2 too
+    a = SimpleNamespace(token_ids=[5, 6, 7, eos], loss_mask=[0, 0, 1, 1])
+    b = SimpleNamespace(token_ids=[5, eos], loss_mask=[0, 1])
+    ids, attn, mask = batch_trajectories([a, b], pad_id=eos)
+    assert ids.tolist() == [[5, 6, 7, eos], [5, eos, eos, eos]]
+    assert attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+
+
+# ---------------------------------------------------------------- tiny model + LoRA
+
+def tiny_lora_model(seed=0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def fake_trajs(n=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = 10 + 3 * i
+        ids = torch.randint(3, 64, (T,), generator=g).tolist()
+        out.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * 5 + [1] * (T - 5)))
+    return out
+
+
+ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.1, max_grad_norm=1.0)
+
+
+def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
+    from kernels import sequence_logprobs
+    model = tiny_lora_model()                           # fresh LoRA: B = 0, so policy == reference
+    trajs = fake_trajs()
+    ids, attn, mask = batch_trajectories(trajs, pad_id=2)
+    with torch.no_grad():
+        pol = sequence_logprobs(model, ids, attn, mask)
+        with model.disable_adapter():
+            ref = sequence_logprobs(model, ids, attn, mask)
+    _, st = grpo_loss(pol, pol, ref, torch.ones(4), mask)
+    assert st["kl_sum"] == 0.0
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    total = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    assert total["kl_sum"] == 0.0 and total["tokens"] == int(mask.sum()) and total["updates"] == 1
+    assert total["grad_norm"] > 0
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)        # only the adapter trains
+    total2 = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    assert total2["kl_sum"] / total2["tokens"] > 0.0
+
+
+def test_masked_tokens_get_zero_gradient_through_the_model():
+    """Prompt/user positions and right padding: changing what sits after a sequence's end
+    (pads) changes neither loss nor gradient, and d loss / d logp is exactly 0 where mask == 0."""
+    from kernels import sequence_logprobs
+    model = tiny_lora_model()
+    for p in model.parameters():                         # make LoRA B non-zero so gradients reach A too
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.1)
+    trajs = fake_trajs()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+    def loss_and_grads(pad_id):
+        ids, attn, mask = batch_trajectories(trajs, pad_id=pad_id)
+        model.zero_grad()
+        logp = sequence_logprobs(model, ids, attn, mask)
+        logp.retain_grad()
+        with torch.no_grad(), model.disable_adapter():
+            ref = sequence_logprobs(model, ids, attn, mask)
+        loss, _ = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.1)
+        loss.backward()
+        assert logp.grad[mask == 0].abs().max().item() == 0.0
+        assert logp.grad[mask == 1].abs().min().item() > 0.0
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    l1, g1 = loss_and_grads(pad_id=2)
+    l2, g2 = loss_and_grads(pad_id=61)
+    assert l1 == pytest.approx(l2, abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
+
+
+def test_mini_batches_make_ratio_depart_from_one():
+    model = tiny_lora_model()
+    trajs = fake_trajs()
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    args = SimpleNamespace(**{**vars(ARGS), "mini_batches": 2})
+    total = grpo_update(model, opt, trajs, adv, args, pad_id=2)
+    assert total["updates"] == 2
+    assert total["clipped"] > 0                       # big lr: 2nd mini-batch sees ratio far from 1
+
+
+# ---------------------------------------------------------------- end to end
+
+def run_rl(out, *extra, wait=True):
+    cmd = [sys.executable, os.path.join(REPO, "rl.py"), "--smoke", "--init", "base", "--out", str(out), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if wait:
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random 2-layer Llama with the default model's tokenizer (so the chat format is real):
+    rollouts are nonsense but the loop, checkpoints and resume run in seconds."""
+    import rollout
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = rollout.load_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_smoke_two_steps_writes_everything_under_out(tmp_path):
+    """The real default model (SmolLM2-135M), tiny sizes."""
+    r = run_rl(tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = read_metrics(tmp_path)
+    assert [x["step"] for x in m] == [1, 2]
+    assert all(0.0 <= x["reward"] <= 1.0 and x["tokens"] > 0 and x["zero_var_groups"] <= x["groups"] for x in m)
+    assert all(x["entropy"] > 0 for x in m)            # sampled at temperature 1 from a real model
+    for name in ("args.json", "rl.png", "adapter/adapter_config.json", "ckpt-000002/state.pt"):
+        assert os.path.exists(tmp_path / name), name
+    assert json.load(open(tmp_path / "args.json"))["out"] == str(tmp_path)
+    assert "step   2/2 | reward" in r.stdout + r.stderr
+    assert "init: base model" in r.stdout
+
+
+def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
+    steps = ["--model", tiny_model_dir, "--steps", "4", "--max-turns", "2"]
+    ref = run_rl(tmp_path / "uninterrupted", *steps)   # same run without a kill, to compare against
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    out = tmp_path / "killed"
+    p = run_rl(out, *steps, wait=False)
+    while not os.path.exists(out / "ckpt-000001") and p.poll() is None:
+        time.sleep(0.02)
+    assert p.poll() is None, "the run ended before it could be killed: " + p.stdout.read()[-3000:]
+    os.kill(p.pid, signal.SIGKILL)                    # a real kill: no handler, no cleanup
+    p.wait()
+    p.stdout.close()
+    done = max(int(n[5:]) for n in os.listdir(out) if n.startswith("ckpt-") and not n.endswith(".tmp"))
+    assert 1 <= done < 4
+    before = read_metrics(out)
+    r = run_rl(out, *steps)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"at step {done}" in r.stdout
+    after = read_metrics(out)
+    assert [x["step"] for x in after] == [1, 2, 3, 4]  # every step once: none lost, none repeated
+    assert after[:done] == before[:done]              # steps up to the checkpoint are kept as they were
+    # restored RNG states: the resumed run samples exactly what the uninterrupted run sampled
+    # a random model never solves a task: every group has zero variance and nothing is trained on
+    assert all(x["zero_var_groups"] == x["groups"] and x["train_tokens"] == 0 for x in after)
+    same = lambda ms: [(x["tokens"], round(x["entropy"], 4), x["turns"]) for x in ms]
+    assert same(after) == same(read_metrics(tmp_path / "uninterrupted"))
