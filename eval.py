@@ -1,0 +1,480 @@
+"""Evaluation: pass^k on held-out tasks (base vs SFT vs RL), BFCL-v3 multi-turn offline, failures.
+
+What it does
+  1. pass^k on the held-out test split of envs.py (retail, airline), tau-bench's definition:
+     pass^k = mean over tasks of C(c, k) / C(n, k), where c of n trials succeeded (reward 1.0),
+     with a bootstrap 95% CI over tasks, overall, per domain and per scenario. All trials of all
+     tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training).
+  2. BFCL multi-turn, offline, from the `bfcl-eval` package: its multi_turn_base entries, its
+     per-turn user queries as the user's messages, its simulated API classes executing the model's
+     calls, and its own multi-turn checker (state + execution-result checks after every turn).
+  3. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
+     with another user seed and flagged `user_sim_suspect` if they then succeed (tau2-bench found
+     user-simulator errors behind up to 30% of retail failures).
+
+Run
+  python eval.py                                  # base, SFT (runs/sft/adapter), RL (runs/rl/adapter): whichever exist
+  python eval.py --agents base,rl --trials 4      # pick agents; an adapter dir path also works as an agent
+  python eval.py --agents openai:gpt-4o-mini --openai-base-url http://localhost:8000/v1   # any endpoint
+  python eval.py --user openai:gpt-4o             # the paper's LLM user instead of the scripted one
+  python eval.py --bfcl 20                        # also BFCL multi_turn_base on its first 20 entries
+  python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
+  Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
+  failures_<agent>.jsonl, bfcl_<agent>.jsonl.
+  BFCL needs `pip install --no-deps bfcl-eval==2026.3.23` (its full dependency tree would downgrade
+  numpy; the data, API classes and checker need only filelock and mpmath, which torch brings).
+
+Simplifications vs the paper
+  * our procedural retail/airline domains stand in for tau2-bench; scripted user by default;
+  * CPU preset: few tasks and trials, short turns (see CPU_PRESET); the GPU defaults are larger;
+  * BFCL: only multi_turn_base; tools are given as OpenAI-style schemas without BFCL's "response"
+    field (saves ~25% context); at most --bfcl-steps agent steps per turn (BFCL: 20), more is a
+    force-terminated entry as in BFCL; all calls of a step are executed, as BFCL does;
+  * the agent samples (ModelAgent has no greedy mode), so user_sim_suspect also catches agent
+    sampling luck: read it as "failed, yet solvable with another user", then look at the transcripts.
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+
+import torch
+
+import rollout
+
+GPU_DEFAULTS = dict(n_tasks=24, trials=4, max_turns=30, max_new_tokens=256, max_context=8192, recheck=16,
+                    bfcl_steps=20)
+# CPU, 2 cores, 135M model: ~60 tok/s sampled at batch 8, and every round re-reads the ~1.7k-token
+# system prompt (no KV cache across rounds), so an episode costs ~10 s. 6 tasks x 2 trials + 3
+# re-runs is ~3 minutes per agent: base, SFT and RL in ~10 minutes. Same turn/token limits as rl.py's.
+CPU_PRESET = dict(n_tasks=3, trials=2, max_turns=6, max_new_tokens=96, max_context=3072, recheck=3, bfcl_steps=4)
+SMOKE = dict(n_tasks=1, trials=2, max_turns=1, max_new_tokens=8, max_context=2048, recheck=1, bfcl_steps=1)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--agents", default="base,sft,rl",
+                   help="comma list: base | sft | rl | an adapter dir | openai:MODEL (missing adapters are skipped)")
+    p.add_argument("--model", default=None, help="HF model name/path (default: rollout.DEFAULT_MODEL)")
+    p.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes)")
+    p.add_argument("--sft-adapter", default="runs/sft/adapter", help="adapter dir used for agent 'sft'")
+    p.add_argument("--rl-adapter", default="runs/rl/adapter", help="adapter dir used for agent 'rl'")
+    p.add_argument("--openai-base-url", default=None, help="base URL for openai:MODEL agents (default: OpenAI)")
+    p.add_argument("--user", default="scripted", help="user simulator: scripted | local | openai:MODEL | none")
+    p.add_argument("--user-base-url", default=None, help="base URL for an openai:MODEL user")
+    p.add_argument("--domains", default="retail,airline", help="comma-separated test domains")
+    p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
+    p.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n (preset)")
+    p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
+    p.add_argument("--max-context", type=int, default=None, help="episode token limit (preset)")
+    p.add_argument("--temperature", type=float, default=1.0, help="agent sampling temperature (> 0; as in training)")
+    p.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (preset; 0 = off)")
+    p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the CI")
+    p.add_argument("--bfcl", type=int, default=0, help="BFCL multi_turn_base entries to run per agent (0 = skip)")
+    p.add_argument("--bfcl-steps", type=int, default=None, help="max agent steps per BFCL turn (preset; BFCL 20)")
+    p.add_argument("--seed", type=int, default=0, help="task generation and rollout seed")
+    p.add_argument("--smoke", action="store_true", help="tiny run for tests (< 2 min on CPU)")
+    p.add_argument("--out", default="runs/eval", help="output directory")
+    args = p.parse_args(argv)
+    preset = SMOKE if args.smoke else (GPU_DEFAULTS if torch.cuda.is_available() else CPU_PRESET)
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+# ----------------------------------------------------------------------------- pass^k
+
+def _successes(rewards) -> tuple[int, int]:
+    return sum(r >= 1.0 for r in rewards), len(rewards)   # (c, n); success = binary reward 1.0
+
+
+def pass_hat_k(results, k: int) -> float:
+    """tau-bench pass^k: mean over tasks of C(c, k) / C(n, k).
+
+    results: {task_id: [reward of each trial]} or a list of such reward lists. pass^1 is the plain
+    success rate; pass^k is the chance that k trials drawn without replacement ALL succeed.
+    """
+    rows = list(results.values()) if isinstance(results, dict) else list(results)
+    if not rows:
+        return float("nan")
+    per_task = []
+    for rewards in rows:
+        c, n = _successes(rewards)
+        if k > n:
+            raise ValueError(f"pass^{k} needs at least {k} trials per task, got {n}")
+        per_task.append(math.comb(c, k) / math.comb(n, k))
+    return sum(per_task) / len(per_task)
+
+
+def bootstrap_ci(results, k: int, n_boot: int = 1000, seed: int = 0, alpha: float = 0.05) -> tuple[float, float]:
+    """Percentile bootstrap over tasks (trials of a task stay together)."""
+    rows = list(results.values()) if isinstance(results, dict) else list(results)
+    rng = random.Random(seed)
+    stats = sorted(pass_hat_k(rng.choices(rows, k=len(rows)), k) for _ in range(n_boot))
+    return stats[int(alpha / 2 * n_boot)], stats[min(n_boot - 1, int((1 - alpha / 2) * n_boot))]
+
+
+def summarize(results: dict, n_boot: int = 1000, seed: int = 0) -> dict:
+    """{"n_tasks", "trials", "pass^k": {k: value}, "ci": {k: [lo, hi]}} for one group of tasks."""
+    trials = min(len(r) for r in results.values())
+    ks = range(1, trials + 1)
+    return {"n_tasks": len(results), "trials": trials,
+            "pass^k": {k: pass_hat_k(results, k) for k in ks},
+            "ci": {k: list(bootstrap_ci(results, k, n_boot, seed)) for k in ks}}
+
+
+# ----------------------------------------------------------------------------- agents
+
+class OpenAIAgent(rollout.TextAgent):
+    """Any OpenAI-compatible chat endpoint as the agent (a baseline), speaking our Hermes text format.
+
+    The conversation goes out as plain chat: the system prompt already lists the tools and the
+    <tool_call> format, and tool results become user turns wrapped in <tool_response> (as the
+    Qwen/Hermes template renders them), so any endpoint works, with or without a tools API."""
+
+    def __init__(self, tokenizer, model: str, base_url=None, api_key=None, temperature: float = 0.0,
+                 max_tokens: int = 512):
+        super().__init__(tokenizer)
+        import openai
+        self.openai, self.model, self.base_url = openai, model, base_url
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
+
+    def respond(self, task, messages):
+        chat = [{"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+                if m["role"] == "tool" else {"role": m["role"], "content": m["content"]} for m in messages]
+        try:
+            out = self.client.chat.completions.create(model=self.model, messages=chat, temperature=self.temperature,
+                                                      max_tokens=self.max_tokens)
+        except (self.openai.APIConnectionError, self.openai.AuthenticationError, self.openai.NotFoundError) as e:
+            raise SystemExit(f"agent endpoint {self.base_url or 'api.openai.com'} model {self.model}: "
+                             f"{e.__class__.__name__}; start the server, fix --openai-base-url or set OPENAI_API_KEY")
+        return out.choices[0].message.content or ""
+
+
+def build_agent(spec: str, args):
+    """(agent, tokenizer, label) for one --agents entry, or None when its adapter does not exist."""
+    if spec.startswith("openai:"):
+        tok = rollout.load_tokenizer(args.model or rollout.DEFAULT_MODEL)   # only to count tokens
+        return OpenAIAgent(tok, spec.split(":", 1)[1], args.openai_base_url), tok, spec
+    adapter = {"base": None, "sft": args.sft_adapter, "rl": args.rl_adapter}.get(spec, spec)
+    if adapter is not None and not os.path.exists(os.path.join(adapter, "adapter_config.json")):
+        print(f"skipping agent {spec!r}: no adapter at {adapter}")
+        return None
+    model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL, args.load_in_4bit)
+    if adapter is not None:
+        model = rollout.load_adapter(model, adapter)
+    model.eval()
+    agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    return agent, tok, spec
+
+
+# ----------------------------------------------------------------------------- pass^k evaluation
+
+def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", seed: int = 0,
+             max_turns: int = 8, max_context: int = 3072, temperature: float = 1.0, max_new_tokens: int = 96,
+             recheck: int = 0, n_boot: int = 1000, progress: bool = True, **user_kw) -> dict:
+    """pass^k of `agent` (a rollout agent, or a model to wrap in ModelAgent) on `tasks`, `trials` each.
+
+    Returns {"overall", "per_domain", "per_scenario"} summaries (see summarize), "rewards"
+    {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included),
+    "stop_reasons", "seconds".
+    """
+    if not hasattr(agent, "act"):
+        agent = rollout.ModelAgent(agent, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens)
+    t0 = time.time()
+    torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
+    run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, **user_kw)
+    trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
+    rewards = {t.id: [tr.reward for tr in trajs[i * trials:(i + 1) * trials]] for i, t in enumerate(tasks)}
+
+    failures = []
+    for i, tr in enumerate(trajs):
+        if tr.reward < 1.0:
+            failures.append({"task_id": tr.task_id, "domain": tr.domain, "scenario": tr.scenario, "tier": tr.tier,
+                             "trial": i % trials, "stop_reason": tr.stop_reason, "turns": tr.turns,
+                             "diff": tr.diff, "stats": tr.stats, "messages": tr.messages})
+    # Failure analysis: re-run failed tasks once with a different user seed. A task that then succeeds
+    # failed (at least partly) because of the user simulator, not the agent.
+    failed = [t for t in tasks if min(rewards[t.id]) < 1.0][:recheck]
+    rerun = rollout.run_episodes(agent, tokenizer, failed, group_size=1, seed=seed + 7919, **run) if failed else []
+    rescued = {tr.task_id for tr in rerun if tr.reward >= 1.0}
+    for f in failures:
+        f["rechecked"] = any(t.id == f["task_id"] for t in failed)
+        f["user_sim_suspect"] = f["task_id"] in rescued
+
+    groups = lambda key: {g: {t.id: rewards[t.id] for t in ts}
+                          for g, ts in itertools.groupby(sorted(tasks, key=key), key=key)}
+    return {"overall": summarize(rewards, n_boot, seed),
+            "per_domain": {d: summarize(r, n_boot, seed) for d, r in groups(lambda t: t.domain).items()},
+            "per_scenario": {s: summarize(r, n_boot, seed) for s, r in groups(lambda t: t.scenario).items()},
+            "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
+            "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "seconds": time.time() - t0}
+
+
+# ----------------------------------------------------------------------------- BFCL multi-turn (offline)
+
+def _bfcl():
+    """Import bfcl-eval's pieces we use (its import creates result/score dirs: keep them in our cache)."""
+    os.environ.setdefault("BFCL_PROJECT_ROOT", os.path.join(rollout.CACHE_DIR, "bfcl"))
+    try:
+        from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
+        from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+        from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
+        from bfcl_eval.utils import load_dataset_entry, load_ground_truth_entry
+    except ImportError as e:
+        raise SystemExit(f"BFCL needs bfcl-eval ({e}): pip install --no-deps bfcl-eval==2026.3.23")
+    return GORILLA_TO_OPENAPI, multi_turn_utils, multi_turn_checker, load_dataset_entry, load_ground_truth_entry
+
+
+def load_bfcl(n: int, category: str = "multi_turn_base") -> tuple[list[dict], list[list[list[str]]]]:
+    """The first n entries of a BFCL multi-turn category and their ground truth (per turn, python calls)."""
+    *_, load_dataset_entry, load_ground_truth_entry = _bfcl()
+    entries, truth = load_dataset_entry(category)[:n], load_ground_truth_entry(category)[:n]
+    assert [e["id"] for e in entries] == [g["id"] for g in truth]
+    return entries, [g["ground_truth"] for g in truth]
+
+
+def bfcl_tools(entry: dict) -> list[dict]:
+    """BFCL's function docs as OpenAI tool schemas (BFCL's Gorilla types mapped as its own converter does)."""
+    to_openai, *_ = _bfcl()
+
+    def cast(schema):
+        schema = dict(schema)
+        schema["type"] = to_openai.get(schema.get("type", "string"), "string")
+        if "properties" in schema:
+            schema["properties"] = {k: cast(v) for k, v in schema["properties"].items()}
+        if "items" in schema:
+            schema["items"] = cast(schema["items"])
+        return schema
+    return [{"type": "function", "function": {"name": f["name"], "description": f["description"],
+                                              "parameters": cast(f["parameters"])}} for f in entry["function"]]
+
+
+def to_python_call(call: dict, allowed: set[str]) -> str | None:
+    """Hermes {"name", "arguments"} -> BFCL's python-call string `cd(folder='x')` (as BFCL's
+    convert_to_function_call writes it), or None for a name/argument that is not a plain identifier
+    of this entry's functions: BFCL's executor eval()s the string, so nothing else may get through."""
+    name, args = call.get("name"), call.get("arguments")
+    if name not in allowed or not isinstance(args, dict) or not all(str(k).isidentifier() for k in args):
+        return None
+    return f"{name}({','.join(f'{k}={v!r}' for k, v in args.items())})"
+
+
+_RUN_IDS = itertools.count()
+
+
+def bfcl_score(entry: dict, decoded: list[list[list[str]]], truth: list[list[str]]) -> dict:
+    """BFCL's multi-turn checker on one entry. decoded: per turn, per step, the python-call strings."""
+    _, utils, multi_turn_checker, *_ = _bfcl()
+    if len(decoded) != len(truth):         # BFCL: force-terminated entries fail without a check
+        return {"valid": False, "error_type": "multi_turn:force_terminated"}
+    name = f"mua_{os.getpid()}_{next(_RUN_IDS)}"   # BFCL keeps API instances in globals keyed by this name
+    try:
+        return multi_turn_checker(decoded, truth, entry, "multi_turn_base", name)
+    finally:
+        for key in [k for k in vars(utils) if k.startswith(name)]:
+            delattr(utils, key)
+
+
+BFCL_POLICY = "You are a helpful assistant. Complete the user's requests by calling the provided functions."
+
+
+def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_context: int = 8192,
+             progress: bool = True) -> list[dict]:
+    """BFCL's multi-turn inference loop, batched over entries: each turn the user's query comes in,
+    the agent calls functions (executed on BFCL's API classes) until it answers in text or runs out
+    of steps. Returns per entry {"id", "decoded" (per turn, per step, python calls), "messages", ...}."""
+    _, utils, *_ = _bfcl()
+    fmt, name = rollout.ChatFormat(tokenizer), f"mua_{os.getpid()}_{next(_RUN_IDS)}"
+    max_new = getattr(agent, "max_new_tokens", 256)
+    convs = []
+    for e in entries:
+        system = rollout.system_prompt(BFCL_POLICY, bfcl_tools(e))
+        first = "\n".join(m["content"] for m in e["question"][0])
+        convs.append({"entry": e, "ids": fmt.prompt_ids(system, first), "turn": 0, "steps": 0, "decoded": [[]],
+                      "messages": [{"role": "system", "content": system}, {"role": "user", "content": first}],
+                      "done": False, "reason": "", "allowed": {f["name"] for f in e["function"]}})
+    rounds = 0
+    while active := [c for c in convs if not c["done"]]:
+        for c in active:
+            if len(c["ids"]) + max_new > max_context:
+                c["done"], c["reason"] = True, "context_limit"
+        active = [c for c in active if not c["done"]]
+        if not active:
+            break
+        outs = agent.act([(c["entry"], c["messages"], c["ids"]) for c in active])
+        rounds += 1
+        if progress:
+            print(f"bfcl round {rounds}: {len(active)} active, turns {[c['turn'] for c in active]}")
+        for c, (new_ids, _) in zip(active, outs):
+            text = tokenizer.decode(new_ids[:-1] if new_ids and new_ids[-1] == fmt.end_of_turn_id else new_ids)
+            c["ids"] = c["ids"] + list(new_ids)
+            calls, _err = rollout.parse_tool_calls(text)
+            c["messages"].append({"role": "assistant", "content": text, "tool_calls": calls})
+            e = c["entry"]
+            if calls:                       # execute every call of the step, as BFCL does
+                strs = [to_python_call(call, c["allowed"]) for call in calls]
+                ok = [s for s in strs if s is not None]
+                results, _ = utils.execute_multi_turn_func_call(ok, e["initial_config"], e["involved_classes"],
+                                                                name, e["id"])
+                it = iter(results)
+                obs = "\n".join(next(it) if s else f"Error: unknown function or bad arguments in {call}"
+                                for s, call in zip(strs, calls))
+                if ok:
+                    c["decoded"][-1].append(ok)
+                c["steps"] += 1
+                if c["steps"] <= max_steps:
+                    c["messages"].append({"role": "tool", "content": obs})
+                    c["ids"] += fmt.delta_ids("tool", obs)
+                    continue
+                c["done"], c["reason"] = True, "force_terminated"   # BFCL: too many steps fails the entry
+                continue
+            c["turn"] += 1                  # a text answer (or an unparsable one) ends the turn, as in BFCL
+            if c["turn"] == len(e["question"]):
+                c["done"], c["reason"] = True, "finished"
+                continue
+            query = "\n".join(m["content"] for m in e["question"][c["turn"]])
+            c["steps"], c["decoded"] = 0, c["decoded"] + [[]]
+            c["messages"].append({"role": "user", "content": query})
+            c["ids"] += fmt.delta_ids("user", query)
+    for key in [k for k in vars(utils) if k.startswith(name)]:
+        delattr(utils, key)
+    return [{"id": c["entry"]["id"], "decoded": c["decoded"], "reason": c["reason"], "messages": c["messages"]}
+            for c in convs]
+
+
+def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int = 8192, progress=True) -> dict:
+    """Accuracy of `agent` on the first n BFCL multi_turn_base entries, scored by BFCL's checker."""
+    entries, truth = load_bfcl(n)
+    t0 = time.time()
+    runs = run_bfcl(agent, tokenizer, entries, max_steps, max_context, progress)
+    records = []
+    for e, gt, r in zip(entries, truth, runs):
+        decoded = r["decoded"] if r["reason"] == "finished" else r["decoded"][:-1]   # unfinished -> force-terminated
+        score = bfcl_score(e, decoded, gt)
+        records.append({"id": e["id"], "valid": score["valid"], "error_type": score.get("error_type", ""),
+                        "reason": r["reason"], "decoded": r["decoded"], "ground_truth": gt, "messages": r["messages"]})
+    return {"n": len(records), "accuracy": sum(r["valid"] for r in records) / max(1, len(records)),
+            "records": records, "seconds": time.time() - t0}
+
+
+# ----------------------------------------------------------------------------- report
+
+def markdown(results: dict) -> str:
+    """Side-by-side table of every agent: pass^k overall with CI, per domain and per scenario pass^1."""
+    agents = list(results)
+    first = results[agents[0]]["tau"]
+    ks = list(first["overall"]["pass^k"])
+    fmt = lambda s, k: f"{s['pass^k'][k]:.3f} [{s['ci'][k][0]:.2f}, {s['ci'][k][1]:.2f}]"
+    per_domain = ", ".join(f"{d}: {s['n_tasks']}" for d, s in first["per_domain"].items())
+    lines = [f"Held-out test tasks: {first['overall']['n_tasks']} ({per_domain}), {first['overall']['trials']} trials "
+             "each; pass^k with 95% bootstrap CI over tasks.", "",
+             "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
+             " | ".join(f"{d} pass^1" for d in first["per_domain"]) + " | user-sim suspects | BFCL multi_turn_base |",
+             "|---" * (len(ks) + len(first["per_domain"]) + 3) + "|"]
+    for a in agents:
+        tau, bfcl = results[a]["tau"], results[a].get("bfcl")
+        row = [fmt(tau["overall"], k) for k in ks] + [fmt(s, 1) for s in tau["per_domain"].values()]
+        row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-",
+                f"{bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
+        lines.append(f"| {a} | " + " | ".join(row) + " |")
+    lines += ["", "| scenario | tasks | " + " | ".join(f"{a} pass^1" for a in agents) + " |",
+              "|---" * (len(agents) + 2) + "|"]
+    for s, summary in first["per_scenario"].items():
+        lines.append(f"| {s} | {summary['n_tasks']} | " +
+                     " | ".join(f"{results[a]['tau']['per_scenario'][s]['pass^k'][1]:.3f}" for a in agents) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    scenarios = list(next(iter(results.values()))["tau"]["per_scenario"])
+    width = 0.8 / len(results)
+    for i, (a, r) in enumerate(results.items()):
+        o = r["tau"]["overall"]
+        ks = [int(k) for k in o["pass^k"]]
+        vals = list(o["pass^k"].values())
+        err = [[v - ci[0] for v, ci in zip(vals, o["ci"].values())], [ci[1] - v for v, ci in zip(vals, o["ci"].values())]]
+        ax1.errorbar(ks, vals, yerr=err, marker="o", capsize=3, label=a)
+        ax2.bar([j + i * width for j in range(len(scenarios))],
+                [r["tau"]["per_scenario"][s]["pass^k"][1] for s in scenarios], width, label=a)
+    ax1.set(xlabel="k", ylabel="pass^k", title="pass^k on held-out tasks (95% CI)", ylim=(-0.05, 1.05))
+    ax1.set_xticks(ks)
+    ax2.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(scenarios))], scenarios, rotation=30, ha="right")
+    ax2.set(ylabel="pass^1", title="per scenario", ylim=(0, 1.05))
+    for ax in (ax1, ax2):
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(min(2, os.cpu_count() or 1))   # shared 2-core machine
+    print(vars(args))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "args.json"), "w") as f:
+        json.dump(vars(args), f, indent=2)
+    import envs
+    tasks = [t for d in args.domains.split(",") for t in envs.make_tasks(d, "test", args.n_tasks, seed=args.seed)]
+    user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else {}
+    results = {}
+    for spec in args.agents.split(","):
+        built = build_agent(spec.strip(), args)
+        if built is None:
+            continue
+        agent, tok, label = built
+        if args.user == "local":            # a local HF-model user: the base model plays the user
+            user_kw["model"], user_kw["tokenizer"] = rollout.load_model(args.model or rollout.DEFAULT_MODEL)
+        print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {args.user}")
+        tau = evaluate(agent, tok, tasks, args.trials, args.user, args.seed, args.max_turns, args.max_context,
+                       recheck=args.recheck, n_boot=args.n_boot, **user_kw)
+        results[label] = {"tau": tau}
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
+        with open(os.path.join(args.out, f"failures_{safe}.jsonl"), "w") as f:
+            for rec in tau["failures"]:
+                f.write(json.dumps(rec) + "\n")
+        o = tau["overall"]
+        print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) +
+              f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
+              f"  stops {tau['stop_reasons']}  {tau['seconds']:.0f}s")
+        if args.bfcl:
+            bfcl = evaluate_bfcl(agent, tok, args.bfcl, args.bfcl_steps, max(args.max_context, 8192))
+            with open(os.path.join(args.out, f"bfcl_{safe}.jsonl"), "w") as f:
+                for rec in bfcl["records"]:
+                    f.write(json.dumps(rec) + "\n")
+            results[label]["bfcl"] = {k: v for k, v in bfcl.items() if k != "records"}
+            print(f"{label}: BFCL multi_turn_base accuracy {bfcl['accuracy']:.3f} on {bfcl['n']} entries "
+                  f"({bfcl['seconds']:.0f}s)")
+        del agent
+    if not results:
+        raise SystemExit("no agent to evaluate: check --agents and the adapter paths")
+    for r in results.values():              # the failures live in their own files
+        r["tau"]["n_failed"] = len(r["tau"].pop("failures"))
+    table = markdown(results)
+    print(table)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    plot(results, os.path.join(args.out, "eval.png"))
+    print(f"wrote {args.out}/results.md, results.json, eval.png")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,204 @@
+"""eval.py: pass^k by hand, bootstrap CI, BFCL multi-turn (ground truth 100%, corruptions fail,
+our Hermes -> python-call loop end to end), pass^k of the oracle agent, and the --smoke run."""
+import ast
+import json
+import math
+import os
+
+import pytest
+
+import eval as ev
+import rollout
+
+
+# ----------------------------------------------------------------------------- pass^k
+
+def test_pass_hat_k_by_hand():
+    # one task, c=2 of n=4: pass^1 = 2/4, pass^2 = C(2,2)/C(4,2) = 1/6, pass^3 = 0
+    assert ev.pass_hat_k({"a": [1, 0, 1, 0]}, 1) == pytest.approx(0.5)
+    assert ev.pass_hat_k({"a": [1, 0, 1, 0]}, 2) == pytest.approx(1 / 6)
+    assert ev.pass_hat_k({"a": [1, 0, 1, 0]}, 3) == 0.0
+    # mean over tasks: (3/4 + 1) / 2 and (C(3,2)/C(4,2) + 1) / 2 = (1/2 + 1) / 2
+    two = {"a": [1, 1, 1, 0.5], "b": [1.0, 1.0, 1.0, 1.0]}       # 0.5 (shaped credit) is not a success
+    assert ev.pass_hat_k(two, 1) == pytest.approx(0.875)
+    assert ev.pass_hat_k(two, 2) == pytest.approx(0.75)
+    assert ev.pass_hat_k(list(two.values()), 4) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        ev.pass_hat_k(two, 5)
+
+
+def test_bootstrap_ci_brackets_the_estimate():
+    results = {f"t{i}": [1, 1] if i < 3 else [0, 1] for i in range(10)}   # pass^1 = 0.65, pass^2 = 0.3
+    s = ev.summarize(results, n_boot=500, seed=1)
+    assert s["n_tasks"] == 10 and s["trials"] == 2
+    assert s["pass^k"][1] == pytest.approx(0.65) and s["pass^k"][2] == pytest.approx(0.3)
+    for k in (1, 2):
+        lo, hi = s["ci"][k]
+        assert 0.0 <= lo < s["pass^k"][k] < hi <= 1.0
+    same = ev.summarize({f"t{i}": [1, 1] for i in range(5)}, n_boot=100)   # no spread across tasks
+    assert same["ci"][1] == [1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- BFCL
+
+N_BFCL = 5
+
+
+@pytest.fixture(scope="module")
+def bfcl():
+    return ev.load_bfcl(N_BFCL)
+
+
+def test_bfcl_ground_truth_scores_100_and_corruptions_fail(bfcl):
+    entries, truth = bfcl
+    assert [e["id"] for e in entries] == [f"multi_turn_base_{i}" for i in range(N_BFCL)]
+    as_steps = lambda turns: [[t] if t else [] for t in turns]     # one step per turn, all its calls
+    assert [ev.bfcl_score(e, as_steps(gt), gt)["valid"] for e, gt in zip(entries, truth)] == [True] * N_BFCL
+    # scoring twice must not leak API state between runs (BFCL keeps instances in globals)
+    assert ev.bfcl_score(entries[0], as_steps(truth[0]), truth[0])["valid"]
+    for e, gt in zip(entries, truth):
+        dropped = as_steps([t[:-1] for t in gt])                 # last call of every turn missing
+        assert not ev.bfcl_score(e, dropped, gt)["valid"]
+        assert ev.bfcl_score(e, as_steps(gt[:-1]), gt)["error_type"] == "multi_turn:force_terminated"
+    first = truth[0][0]                                          # cd document, mkdir temp, mv report
+    wrong = [c.replace("'temp'", "'tmp'") for c in first]
+    assert wrong != first
+    assert not ev.bfcl_score(entries[0], [[wrong]] + as_steps(truth[0][1:]), truth[0])["valid"]
+
+
+def test_to_python_call_matches_bfcl_format_and_blocks_unsafe_names():
+    allowed = {"cd", "mv"}
+    assert ev.to_python_call({"name": "cd", "arguments": {"folder": "x"}}, allowed) == "cd(folder='x')"
+    assert ev.to_python_call({"name": "mv", "arguments": {"source": "a b", "n": [1, 2.5], "f": True}},
+                             allowed) == "mv(source='a b',n=[1, 2.5],f=True)"
+    assert ev.to_python_call({"name": "__import__('os').system", "arguments": {}}, allowed) is None
+    assert ev.to_python_call({"name": "cd", "arguments": {"x=1) or (": 1}}, allowed) is None
+
+
+def hermes(call: str, entry: dict) -> str:
+    """A ground-truth python call `sort('a.txt')` as our Hermes tool-call text."""
+    node = ast.parse(call, mode="eval").body
+    params = list(next(f for f in entry["function"] if f["name"] == node.func.id)["parameters"]["properties"])
+    args = {params[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
+    args.update({kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
+    return "<tool_call>" + json.dumps({"name": node.func.id, "arguments": args}) + "</tool_call>"
+
+
+class GroundTruthAgent(rollout.TextAgent):
+    """Answers each BFCL turn with all of its ground-truth calls in one step, then a text reply."""
+
+    def __init__(self, tokenizer, truth_by_id):
+        super().__init__(tokenizer)
+        self.truth = truth_by_id
+
+    def respond(self, entry, messages):
+        turn = sum(m["role"] == "user" for m in messages) - 1
+        calls = self.truth[entry["id"]][turn]
+        if messages[-1]["role"] == "tool" or not calls:
+            return "Done."
+        return "\n".join(hermes(c, entry) for c in calls)
+
+
+class SilentAgent(rollout.TextAgent):
+    def respond(self, entry, messages):
+        return "I cannot help with that."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return rollout.load_tokenizer()
+
+
+def test_bfcl_loop_end_to_end(bfcl, tok, monkeypatch):
+    entries, truth = bfcl
+    monkeypatch.setattr(ev, "load_bfcl", lambda n: (entries[:n], truth[:n]))
+    good = ev.evaluate_bfcl(GroundTruthAgent(tok, {e["id"]: gt for e, gt in zip(entries, truth)}), tok, 3,
+                            progress=False)
+    assert good["accuracy"] == 1.0 and good["n"] == 3
+    rec = good["records"][0]                 # Hermes JSON -> python calls, executed on BFCL's file system
+    assert rec["decoded"][0] == [["cd(folder='document')", "mkdir(dir_name='temp')",
+                                  "mv(source='final_report.pdf',destination='temp')"]]
+    assert "moved to 'temp/final_report.pdf'" in rec["messages"][3]["content"]
+    silent = ev.evaluate_bfcl(SilentAgent(tok), tok, 3, progress=False)
+    assert silent["accuracy"] == 0.0
+    assert {r["error_type"] for r in silent["records"]} == {"multi_turn:empty_turn_model_response"}
+
+
+class LoopingAgent(rollout.TextAgent):
+    def respond(self, entry, messages):
+        return '<tool_call>{"name": "pwd", "arguments": {}}</tool_call>'
+
+
+def test_bfcl_too_many_steps_is_force_terminated(bfcl, tok, monkeypatch):
+    entries, truth = bfcl
+    monkeypatch.setattr(ev, "load_bfcl", lambda n: (entries[:n], truth[:n]))
+    out = ev.evaluate_bfcl(LoopingAgent(tok), tok, 1, max_steps=3, progress=False)
+    rec = out["records"][0]
+    assert rec["reason"] == "force_terminated" and len(rec["decoded"][0]) == 4   # 3 steps + the one over
+    assert out["accuracy"] == 0.0 and rec["error_type"] == "multi_turn:force_terminated"
+
+
+# ----------------------------------------------------------------------------- pass^k on envs
+
+@pytest.fixture(scope="module")
+def tasks():
+    import envs
+    return [t for d in envs.DOMAINS for t in envs.make_tasks(d, "test", 2)]
+
+
+def test_oracle_agent_passes_every_held_out_task(tasks, tok):
+    from sft import OracleAgent
+    r = ev.evaluate(OracleAgent(tok), tok, tasks, trials=2, progress=False, n_boot=50)
+    assert r["overall"]["pass^k"] == {1: 1.0, 2: 1.0} and r["overall"]["n_tasks"] == 4
+    assert set(r["per_domain"]) == {"retail", "airline"} and r["failures"] == [] and r["rechecked"] == 0
+    assert sum(s["n_tasks"] for s in r["per_scenario"].values()) == 4
+
+
+class FlakyAgent(rollout.TextAgent):
+    """Silent on a task's first `trials` conversations, the oracle on any later one (the re-run)."""
+
+    def __init__(self, tokenizer, trials):
+        from sft import OracleAgent
+        super().__init__(tokenizer)
+        self.oracle, self.trials, self.seen, self.count = OracleAgent(tokenizer), trials, {}, {}
+
+    def respond(self, task, messages):
+        if id(messages) not in self.seen:    # a conversation's messages list lives as long as it does
+            self.seen[id(messages)] = self.count[task.id] = self.count.get(task.id, 0) + 1
+        if self.seen[id(messages)] <= self.trials:
+            return "Hello."
+        return self.oracle.respond(task, messages)
+
+
+def test_failures_keep_db_diffs_and_rescued_ones_are_flagged(tasks, tok):
+    r = ev.evaluate(FlakyAgent(tok, 2), tok, tasks, trials=2, max_turns=12, recheck=3, progress=False, n_boot=50)
+    assert r["overall"]["pass^k"] == {1: 0.0, 2: 0.0}
+    assert len(r["failures"]) == 8 and r["rechecked"] == 3 and r["user_sim_suspects"] == 3
+    writes = [f for f in r["failures"] if f["scenario"] in ("cancel_order", "cancel_trip", "return_item")]
+    assert writes and all(f["diff"] for f in writes)             # the gold write never happened: a diff says so
+    flagged = [f for f in r["failures"] if f["user_sim_suspect"]]
+    assert len(flagged) == 6 and all(f["rechecked"] for f in flagged)   # 3 tasks x 2 failed trials
+
+
+def test_report_table_and_plot(tmp_path):
+    tau = {"overall": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20), "rechecked": 1, "user_sim_suspects": 0,
+           "per_domain": {"retail": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20)},
+           "per_scenario": {"cancel_order": ev.summarize({"a": [1, 0]}, 20), "return_item": ev.summarize({"b": [1, 1]}, 20)}}
+    results = {"base": {"tau": tau}, "rl": {"tau": tau, "bfcl": {"accuracy": 0.25, "n": 4}}}
+    table = ev.markdown(results)
+    assert "| base | 0.750 [" in table and "| 0.250 (4 entries) |" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
+    ev.plot(results, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_smoke_run_writes_everything(tmp_path):
+    out = ev.main(["--smoke", "--agents", "base,sft", "--sft-adapter", str(tmp_path / "none"), "--domains", "airline",
+                   "--out", str(tmp_path)])
+    assert list(out) == ["base"]                                 # the missing SFT adapter is skipped
+    saved = json.loads((tmp_path / "results.json").read_text())
+    o = saved["base"]["tau"]["overall"]
+    assert o["n_tasks"] == 1 and o["trials"] == 2 and 0.0 <= o["pass^k"]["1"] <= 1.0
+    for name in ("args.json", "results.md", "eval.png", "failures_base.jsonl"):
+        assert (tmp_path / name).exists(), name
+    fails = [json.loads(l) for l in (tmp_path / "failures_base.jsonl").read_text().splitlines()]
+    assert len(fails) == saved["base"]["tau"]["n_failed"] and all("diff" in f for f in fails)
