@@ -164,7 +164,7 @@ def build_agent(spec: str, args):
     """(agent, tokenizer, label) for one --agents entry, or None when its adapter does not exist."""
     if spec.startswith("openai:"):
         tok = rollout.load_tokenizer(args.model or rollout.DEFAULT_MODEL)   # only to count tokens
-        return OpenAIAgent(tok, spec.split(":", 1)[1], args.openai_base_url), tok, spec
+        return OpenAIAgent(tok, spec.split(":", 1)[1], args.openai_base_url, temperature=args.temperature), tok, spec
     adapter = {"base": None, "sft": args.sft_adapter, "rl": args.rl_adapter}.get(spec, spec)
     if adapter is not None and not os.path.exists(os.path.join(adapter, "adapter_config.json")):
         print(f"skipping agent {spec!r}: no adapter at {adapter}")
@@ -211,11 +211,12 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
         f["rechecked"] = any(t.id == f["task_id"] for t in failed)
         f["user_sim_suspect"] = f["task_id"] in rescued
 
-    groups = lambda key: {g: {t.id: rewards[t.id] for t in ts}
-                          for g, ts in itertools.groupby(sorted(tasks, key=key), key=key)}
-    return {"overall": summarize(rewards, n_boot, seed),
-            "per_domain": {d: summarize(r, n_boot, seed) for d, r in groups(lambda t: t.domain).items()},
-            "per_scenario": {s: summarize(r, n_boot, seed) for s, r in groups(lambda t: t.scenario).items()},
+    def per(attr):                          # {domain or scenario: summary of its tasks}
+        groups = defaultdict(dict)
+        for t in tasks:
+            groups[getattr(t, attr)][t.id] = rewards[t.id]
+        return {g: summarize(r, n_boot, seed) for g, r in sorted(groups.items())}
+    return {"overall": summarize(rewards, n_boot, seed), "per_domain": per("domain"), "per_scenario": per("scenario"),
             "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "seconds": time.time() - t0}
 
@@ -272,17 +273,23 @@ def to_python_call(call: dict, allowed: set[str]) -> str | None:
 _RUN_IDS = itertools.count()
 
 
+def _forget(name: str):
+    """Drop the API instances BFCL's executor keeps in its module globals as `{name}_{entry id}_{class}_instance`."""
+    _, utils, *_ = _bfcl()
+    for key in [k for k in vars(utils) if k.startswith(name + "_")]:
+        delattr(utils, key)
+
+
 def bfcl_score(entry: dict, decoded: list[list[list[str]]], truth: list[list[str]]) -> dict:
     """BFCL's multi-turn checker on one entry. decoded: per turn, per step, the python-call strings."""
-    _, utils, multi_turn_checker, *_ = _bfcl()
+    _, _, multi_turn_checker, *_ = _bfcl()
     if len(decoded) != len(truth):         # BFCL: force-terminated entries fail without a check
         return {"valid": False, "error_type": "multi_turn:force_terminated"}
     name = f"mua_{os.getpid()}_{next(_RUN_IDS)}"   # BFCL keeps API instances in globals keyed by this name
     try:
         return multi_turn_checker(decoded, truth, entry, "multi_turn_base", name)
     finally:
-        for key in [k for k in vars(utils) if k.startswith(name)]:
-            delattr(utils, key)
+        _forget(name)
 
 
 BFCL_POLICY = "You are a helpful assistant. Complete the user's requests by calling the provided functions."
@@ -346,8 +353,7 @@ def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_cont
             c["steps"], c["decoded"] = 0, c["decoded"] + [[]]
             c["messages"].append({"role": "user", "content": query})
             c["ids"] += fmt.delta_ids("user", query)
-    for key in [k for k in vars(utils) if k.startswith(name)]:
-        delattr(utils, key)
+    _forget(name)
     return [{"id": c["entry"]["id"], "decoded": c["decoded"], "reason": c["reason"], "messages": c["messages"]}
             for c in convs]
 

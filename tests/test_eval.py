@@ -202,3 +202,42 @@ def test_smoke_run_writes_everything(tmp_path):
         assert (tmp_path / name).exists(), name
     fails = [json.loads(l) for l in (tmp_path / "failures_base.jsonl").read_text().splitlines()]
     assert len(fails) == saved["base"]["tau"]["n_failed"] and all("diff" in f for f in fails)
+
+
+def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
+    """OpenAIAgent speaks plain chat to any OpenAI-compatible server: tool results go out as user turns."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            text = ('<tool_call>{"name": "get_user_details", "arguments": {"user_id": "nobody"}}</tool_call>'
+                    if len(seen) == 1 else "Sorry, I cannot help.")
+            out = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                              "choices": [{"index": 0, "finish_reason": "stop",
+                                           "message": {"role": "assistant", "content": text}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        agent = ev.OpenAIAgent(tok, "fake-model", base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="k")
+        r = ev.evaluate(agent, tok, tasks[:1], trials=1, max_turns=2, progress=False, n_boot=10)
+    finally:
+        server.shutdown()
+    assert len(seen) == 2 and seen[0]["model"] == "fake-model"
+    assert [m["role"] for m in seen[0]["messages"]] == ["system", "user"]
+    assert "<tools>" in seen[0]["messages"][0]["content"]
+    last = seen[1]["messages"][-1]
+    assert last["role"] == "user" and last["content"].startswith("<tool_response>\nError")
+    assert r["overall"]["pass^k"][1] == 0.0 and r["stop_reasons"] == {"max_turns": 1}
