@@ -5,6 +5,7 @@ The loss and resume tests use a tiny random Llama (fast); the oracle test uses t
 tokenizer only; the smoke test runs the real script in a subprocess (~1 min).
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,6 +79,14 @@ def test_user_and_tool_tokens_contribute_nothing():
     changed = ids.clone()
     changed[0, 7] = (ids[0, 7] + 1) % 64                          # an agent token: the loss must move
     assert loss_and_grads(changed)[0] != l1
+
+
+def test_lr_schedule_warmup_then_decay():
+    cos = [sft.lr_lambda(s, 2, 10, "cosine") for s in range(10)]
+    lin = [sft.lr_lambda(s, 2, 10, "linear") for s in range(10)]
+    assert cos[:3] == pytest.approx([1 / 3, 2 / 3, 1.0]) and lin[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert cos[6] == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8))) and lin[6] == pytest.approx(0.5)
+    assert all(a > b for a, b in zip(cos[2:], cos[3:])) and cos[-1] > 0
 
 
 def _train_args(out, **kw):
