@@ -77,7 +77,6 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(_smollm2_cache() if name == DEFAULT_MODEL else name)
     tok.pad_token = tok.pad_token or tok.eos_token
-    tok.padding_side = "left"            # generation batches are left-padded
     return tok
 
 
@@ -98,9 +97,7 @@ def load_model(name: str = DEFAULT_MODEL, load_in_4bit: bool = False):
                          f"or a hub id whose weights are reachable, or use the default {DEFAULT_MODEL!r}")
     if not load_in_4bit:
         model.to(DEVICE)
-    tok = load_tokenizer(name)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model, tok
+    return model, load_tokenizer(name)
 
 
 def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0):
@@ -163,8 +160,7 @@ class ChatFormat:
         return f"<|im_start|>{role}\n{content}{'' if truncated else '<|im_end|>'}\n"
 
     def render(self, messages: list[dict]) -> str:
-        """The whole conversation as text (reference for tests; rollouts only append deltas).
-        An assistant message with "truncated": True was cut at max_new_tokens: it has no end-of-turn."""
+        """The conversation as text, for tests (a "truncated" assistant turn has no end-of-turn)."""
         if self.native:
             return self.tok.apply_chat_template(messages, tokenize=False)
         return "".join(self._turn(m["role"], m["content"], m.get("truncated", False)) for m in messages)
@@ -236,7 +232,6 @@ class Trajectory:
     diff: str = ""
 
     def show(self, max_chars: int = 300) -> str:
-        """Readable transcript, one line per message (long contents clipped, system prompt summarised)."""
         lines = [f"== {self.task_id} [{self.scenario}/{self.tier}] reward={self.reward} turns={self.turns} "
                  f"stop={self.stop_reason} tokens={len(self.token_ids)} sampled={sum(self.loss_mask)}"]
         for m in self.messages:
@@ -489,22 +484,28 @@ class ModelAgent:
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256):
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.prefix, self.prefix_kv = (), None       # ((token ids, weights version), DynamicCache)
+        self.prefix, self.prefix_kv, self.version = (), None, None   # token ids, their DynamicCache
 
-    def _shared_prefix(self, rows) -> tuple:
+    def _cache_prefix(self, rows) -> tuple:
+        """Longest prefix all rows share; its KV cache is the cached one cut back and extended."""
         cap = min(map(len, rows)) - 1                  # each row keeps >= 1 token for generate to feed
         n = next((i for i in range(cap) if any(r[i] != rows[0][i] for r in rows)), cap)
-        old = self.prefix[0] if self.prefix else ()
-        return old if 0 < len(old) <= n and tuple(rows[0][:len(old)]) == old else tuple(rows[0][:n])
+        prefix, version = tuple(rows[0][:n]), sum(p._version for p in self.model.parameters())
+        old = self.prefix if version == self.version else ()   # optimizer steps bump _version
+        m = next((i for i in range(min(len(old), n)) if old[i] != prefix[i]), min(len(old), n))
+        if 0 < m < len(old):
+            self.prefix_kv.crop(m - len(old))            # (transformers 5: a negative count)
+        if m < n:
+            self.prefix_kv = self.model(torch.tensor([prefix[m:]], device=self.model.device),
+                                        past_key_values=self.prefix_kv if m else None).past_key_values
+        self.prefix, self.version = prefix, version
+        return prefix
 
     @torch.no_grad()
     def act(self, batch):
         rows, pad, was_training = [ids for _, _, ids in batch], self.tok.pad_token_id, self.model.training
         self.model.eval()
-        prefix = self._shared_prefix(rows)
-        key = (prefix, sum(p._version for p in self.model.parameters()))  # bumped by optimizer steps
-        if prefix and self.prefix != key:
-            self.prefix, self.prefix_kv = key, self.model(torch.tensor([prefix], device=self.model.device)).past_key_values
+        prefix = self._cache_prefix(rows)
         P, B, L = len(prefix), len(rows), max(map(len, rows))
         kv = copy.deepcopy(self.prefix_kv) if P else None   # generate appends to it: keep the original
         if P:
@@ -534,8 +535,7 @@ class ModelAgent:
 
 
 class TextAgent:
-    """Base for agents that produce text (the oracle in sft.py, an OpenAI endpoint in eval.py).
-    act() tokenizes text + end-of-turn; log-probs are 0.0 (not sampled by the policy; mask 1 for SFT)."""
+    """Base for text agents (sft.py oracle, eval.py endpoint): text + end-of-turn, mask 1, log-probs 0.0."""
 
     def __init__(self, tokenizer):
         self.tok, self.fmt = tokenizer, ChatFormat(tokenizer)
@@ -679,8 +679,7 @@ def main():
     print(vars(args))
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, args.load_in_4bit)
-    if args.adapter:
-        model = load_adapter(model, args.adapter)
+    model = load_adapter(model, args.adapter) if args.adapter else model
     if args.bench:
         return bench(model, tok, args)
     torch.manual_seed(args.seed)

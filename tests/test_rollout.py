@@ -203,22 +203,27 @@ def test_no_user_gives_everything_up_front():
 # ----------------------------------------------------------------------------- agents and the loop
 
 def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
-    """Three prompts sharing a prefix, suffixes of different lengths (padding sits between the cached
-    prefix and each suffix): stored log-probs equal a teacher-forced recomputation of log_softmax(logits / T)
-    on each unpadded row; rows are cut at end-of-turn; the prefix cache is reused across calls and
+    """Prompts sharing a prefix, suffixes of different lengths (padding sits between the cached prefix
+    and each suffix): stored log-probs equal a teacher-forced recomputation of log_softmax(logits / T) on
+    each unpadded row; rows are cut at end-of-turn. The prefix cache is reused, cut back, extended, and
     recomputed after a weight update."""
     model = copy.deepcopy(tiny)
     agent = ModelAgent(model, tok, temperature=1.3, max_new_tokens=12)
     common = tok("<|im_start|>system\nYou are a helpful agent.<|im_end|>\n", add_special_tokens=False).input_ids
-    prompts = [common + tok(x).input_ids for x in ("Hello there, how are you today?", "Hi", "Cancel #W1 now")]
+    enc = lambda *xs: [common + tok(x).input_ids for x in xs]
+    calls = [(enc("Hello there, how are you today?", "Hi", "Cancel #W1 now"), len(common)),
+             (enc("Hello there, how are you today?", "Hi", "Cancel #W1 now"), len(common)),   # cache reused
+             (enc("Cancel #W1 now", "Cancel #W1 today please"), len(common) + 5),             # extended
+             (enc("Hi", "Cancel #W1 now"), len(common)),                                      # cut back
+             (enc("Hi", "Cancel #W1 now"), len(common))]                                      # after a weight update
     ranks, caches = [], []
-    for call in range(3):
-        if call == 2:                                  # an optimizer step changes the weights in place
+    for k, (prompts, shared) in enumerate(calls):
+        if k == 4:                                     # an optimizer step changes the weights in place
             with torch.no_grad():
                 model.model.layers[0].self_attn.v_proj.weight.mul_(10.0)
-        torch.manual_seed(call)
+        torch.manual_seed(k)
         outs = agent.act([(None, [], p) for p in prompts])
-        assert len(outs) == 3 and agent.prefix[0] == tuple(common)
+        assert len(outs) == len(prompts) and agent.prefix == tuple(prompts[0][:shared])
         caches.append(agent.prefix_kv)
         for p, (ids, lps) in zip(prompts, outs):
             assert len(ids) == len(lps) and 0 < len(ids) <= 12
@@ -226,10 +231,10 @@ def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
             with torch.no_grad():
                 logits = model(torch.tensor([p + ids])).logits[0, len(p) - 1:-1]
             ref = torch.log_softmax(logits / 1.3, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-            print(f"call {call}: max |stored - recomputed| log-prob {(ref - torch.tensor(lps)).abs().max().item():.2e}")
+            print(f"call {k}: max |stored - recomputed| log-prob {(ref - torch.tensor(lps)).abs().max().item():.2e}")
             assert torch.allclose(ref, torch.tensor(lps), atol=1e-5)
             ranks += [(logits[t] > logits[t, i]).sum().item() for t, i in enumerate(ids) if i != 2]
-    assert caches[0] is caches[1] and caches[2] is not caches[1]
+    assert caches[0] is caches[1] and caches[4] is not caches[3]
     # generate's default top_k=50 must be off: on a near-uniform random model most samples rank far beyond 50
     assert max(ranks) > 1000, ranks
 
