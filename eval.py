@@ -28,8 +28,11 @@ Simplifications vs the paper
   * our procedural retail/airline domains stand in for tau2-bench; scripted user by default;
   * CPU preset: few tasks and trials, short turns (see CPU_PRESET); the GPU defaults are larger;
   * BFCL: only multi_turn_base; tools are given as OpenAI-style schemas without BFCL's "response"
-    field (saves ~25% context); at most --bfcl-steps agent steps per turn (BFCL: 20), more is a
-    force-terminated entry as in BFCL; all calls of a step are executed, as BFCL does;
+    field (saves ~25% context; still 3-5k tokens, so on 2 CPU cores an entry takes minutes: off by
+    default); at most --bfcl-steps agent steps per turn (BFCL: 20), more is a force-terminated entry
+    as in BFCL; all calls of a step are executed, as BFCL does. Our Hermes calls become BFCL's
+    python-call strings in BFCL's own format (its convert_to_function_call lives in a module that
+    imports tree-sitter, so to_python_call writes the same one line instead of adding 4 packages);
   * the agent samples (ModelAgent has no greedy mode), so user_sim_suspect also catches agent
     sampling luck: read it as "failed, yet solvable with another user", then look at the transcripts.
 """
