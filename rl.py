@@ -22,7 +22,9 @@ after it are redone, with the same tasks and RNG state); delete --out to start o
 Differences from the paper (and its official code):
 - Model: SmolLM2-135M-Instruct (bundled, fp32 on CPU) instead of Qwen3-8B/14B/32B; LoRA
   (r 16) instead of full fine-tuning, so the reference is the same model with the adapter off.
-- Environments: our procedural retail/airline domains (envs.py), not tau2-bench.
+- Environments: our procedural retail/airline domains (envs.py), not tau2-bench. Each step
+  draws its tasks from one domain, domains taking turns, so all its rollouts share one
+  system prompt (~1.8k tokens) that the agent prefills once per step.
 - User: a scripted user by default (a 135M model cannot play a user); the paper uses GPT-4o
   (`--user openai:gpt-4o` here).
 - CPU preset (chosen automatically when there is no GPU; the GPU defaults are the paper's
@@ -301,9 +303,9 @@ def main(argv=None):
     with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:   # rewrite: drop steps after the checkpoint
         f.writelines(json.dumps(m) + "\n" for m in metrics)
 
-    tiers = set(args.tiers.split(","))
-    pool = [t for d in args.domains.split(",") for t in envs.make_tasks(d, "train", args.task_pool, seed=args.seed)
-            if t.tier in tiers]
+    tiers, domains = set(args.tiers.split(",")), args.domains.split(",")
+    pools = {d: [t for t in envs.make_tasks(d, "train", args.task_pool, seed=args.seed) if t.tier in tiers]
+             for d in domains}
     agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     G = args.group_size
@@ -313,7 +315,9 @@ def main(argv=None):
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", disable=None)
     for step in bar:
         t0 = time.time()
-        # 1. sample tasks (own RNG: a resumed run samples the same tasks for the same step)
+        # 1. sample tasks: one domain per step, in turn, so every rollout of the step shares one
+        #    system prompt (ModelAgent prefills it once). Own RNG: a resumed run redraws the same tasks.
+        pool = pools[domains[step % len(domains)]]
         tasks = random.Random(args.seed * 1_000_003 + step).sample(pool, args.tasks)
         # 2. G rollouts per task, fresh Env + fresh simulated user each (inside run_episodes)
         model.eval()                           # generation with KV cache; checkpointing is train-only
