@@ -174,7 +174,10 @@ def test_failures_keep_db_diffs_and_rescued_ones_are_flagged(tasks, tok):
     r = ev.evaluate(FlakyAgent(tok, 2), tok, tasks, trials=2, max_turns=12, recheck=3, progress=False, n_boot=50)
     assert r["overall"]["pass^k"] == {1: 0.0, 2: 0.0}
     assert len(r["failures"]) == 8 and r["rechecked"] == 3 and r["user_sim_suspects"] == 3
-    writes = [f for f in r["failures"] if f["scenario"] in ("cancel_order", "cancel_trip", "return_item")]
+    import envs
+    by_id = {t.id: t for t in tasks}
+    writes = [f for f in r["failures"]
+              if any(a.name in envs.WRITE_TOOLS[f["domain"]] for a in by_id[f["task_id"]].gold_actions)]
     assert writes and all(f["diff"] for f in writes)             # the gold write never happened: a diff says so
     flagged = [f for f in r["failures"] if f["user_sim_suspect"]]
     assert len(flagged) == 6 and all(f["rechecked"] for f in flagged)   # 3 tasks x 2 failed trials
