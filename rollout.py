@@ -486,6 +486,7 @@ class ModelAgent:
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.prefix, self.prefix_kv, self.version = (), None, None   # token ids, their DynamicCache
 
+    @torch.no_grad()
     def _cache_prefix(self, rows) -> tuple:
         """Longest prefix all rows share; its KV cache is the cached one cut back and extended."""
         cap = min(map(len, rows)) - 1                  # each row keeps >= 1 token for generate to feed
