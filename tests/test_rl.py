@@ -177,7 +177,7 @@ def run_rl(out, *extra, wait=True):
     cmd = [sys.executable, os.path.join(REPO, "rl.py"), "--smoke", "--init", "base", "--out", str(out), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if wait:
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)   # generous: shared CPUs
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
