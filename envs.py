@@ -1,18 +1,17 @@
 """Retail and airline tool-use environments with verifiable rewards, in the style of tau-bench.
 
-What: two procedurally generated domains (a database, tools over it as Python functions with OpenAI
-JSON schemas, a short policy) and tasks from 12 scenarios in three tiers: a brief for a simulated user
-(persona, request, facts revealed only when asked) plus the gold actions of an oracle agent. Env(task)
-gives every rollout a fresh copy of the database; reward() is 1.0 iff the final database equals the
-gold replay's AND every required output was said by the agent; diff() explains a 0.0 field by field.
+What: two procedurally generated domains (a database, tools over it with OpenAI JSON schemas, a short policy) and
+tasks from 12 scenarios in three tiers: a brief for a simulated user (persona, request, facts revealed only when
+asked) plus an oracle's gold actions. Env(task) gives every rollout a fresh database; reward() is 1.0 iff the final
+database equals the gold replay's AND the agent said every required output; diff() explains a 0.0 field by field.
 
 Run:   python envs.py              # tour: a task, tools, policy, oracle replays, prompt tokens
 Test:  pytest tests/test_envs.py
 
-Simplifications versus tau-bench: small catalogues and compact records (a 135M model reads them); a
-reservation is one direct one-way flight; no flight statuses; all tool parameters are required; a
-fixed "today". Authentication and confirmation are policy, checked only through the outcome; state
-rules (order status, insurance, seats, balances) are enforced by the tools as errors.
+Simplifications versus tau-bench: small catalogues and compact records (a 135M model reads them); a reservation
+is one direct one-way flight, with no flight status; all tool parameters are required; "today" is fixed. Policy
+asks for authentication and confirmation, checked only through the outcome; the tools enforce state rules (order
+status, insurance, seats, balances) as errors.
 """
 import hashlib
 import itertools
@@ -399,7 +398,7 @@ AIRPORTS = {"JFK": "New York", "LAX": "Los Angeles", "SFO": "San Francisco", "OR
 ROUTES = [("JFK", "LAX"), ("JFK", "SFO"), ("ORD", "SEA"), ("LAX", "SEA"), ("MIA", "JFK"), ("SFO", "ORD")]
 DATES = [f"2024-05-{d}" for d in range(16, 26)]
 
-def _uid(rng, used, make):
+def _uid(used, make):
     while (x := make()) in used:
         pass
     used.add(x)
@@ -412,8 +411,8 @@ def _address(rng):
 
 def _user(rng, used, kinds):
     first, last = rng.choice(FIRST), rng.choice(LAST)
-    uid = _uid(rng, used, lambda: f"{first}_{last}_{rng.randint(1000, 9999)}".lower())
-    pms = [dict(id=_uid(rng, used, lambda: f"{kind}_{rng.randint(1000, 9999)}"), type=kind,
+    uid = _uid(used, lambda: f"{first}_{last}_{rng.randint(1000, 9999)}".lower())
+    pms = [dict(id=_uid(used, lambda: f"{kind}_{rng.randint(1000, 9999)}"), type=kind,
                 **({"balance": float(rng.randint(300, 600))} if kind in ("gift_card", "certificate") else {}))
            for kind in kinds]
     return dict(user_id=uid, name=f"{first} {last}", email=f"{first}.{last}{uid[-4:]}@example.com".lower(),
@@ -436,7 +435,7 @@ def _retail_split(rng, used, products, n_users):
         db["users"][u["user_id"]], u["orders"] = u, []
         statuses = ["pending", "pending", "delivered", "delivered", rng.choice(["processed", "cancelled"])]
         for status in rng.sample(statuses, 5):
-            oid = _uid(rng, used, lambda: f"#W{rng.randint(1000000, 9999999)}")
+            oid = _uid(used, lambda: f"#W{rng.randint(1000000, 9999999)}")
             items = [dict(item_id=v["item_id"], product_id=p["product_id"], name=p["name"], options=v["options"],
                           price=v["price"]) for p in rng.sample(list(products.values()), rng.randint(1, 3))
                      for v in [rng.choice(list(p["variants"].values()))]]
@@ -451,7 +450,7 @@ def _flights(rng):
     flights, used = {}, set()
     for a, b in ROUTES + [(b, a) for a, b in ROUTES]:
         for depart in sorted(rng.sample(["07:00", "10:30", "14:00", "18:45"], 2)):
-            fn, base = _uid(rng, used, lambda: f"MU{rng.randint(100, 999)}"), rng.randint(90, 300)
+            fn, base = _uid(used, lambda: f"MU{rng.randint(100, 999)}"), rng.randint(90, 300)
             flights[fn] = dict(flight_number=fn, origin=a, destination=b, depart=depart, dates={
                 d: dict(prices=dict(economy=base + rng.randint(0, 60), business=3 * base + rng.randint(0, 150)),
                         seats=dict(economy=rng.randint(3, 30), business=rng.randint(2, 8))) for d in DATES})
@@ -467,7 +466,7 @@ def _airline_split(rng, used, flights, n_users):
         first, last = u["name"].split()
         # one insured, one uninsured economy reservation, and a random third
         for insured, cabin in [(True, "economy"), (False, "economy"), (rng.random() < 0.5, rng.choice(CABINS))]:
-            rid = _uid(rng, used, lambda: "".join(rng.choices("ABCDEFGHJKLMNPQRSTUVWXYZ23456789", k=6)))
+            rid = _uid(used, lambda: "".join(rng.choices("ABCDEFGHJKLMNPQRSTUVWXYZ23456789", k=6)))
             f, date = rng.choice(list(flights.values())), rng.choice(DATES[:-1])
             companion = (rng.choice(FIRST), f"19{rng.randint(55, 99)}-11-0{rng.randint(1, 9)}")
             pax = [dict(first_name=name, last_name=last, dob=dob)
@@ -543,16 +542,16 @@ def _return_item(rng, db):
                 gold=gold + [act("return_delivered_order_items", order_id=o["order_id"], item_ids=[item["item_id"]],
                                  payment_method_id=paid_with)])
 
-def _swaps(db, item):
+def _exchanges_for(db, item):
     """Available variants of the item's product that differ from it in exactly one option."""
     return [v for v in db["products"][item["product_id"]]["variants"].values()
             if v["available"] and sum(v["options"][k] != x for k, x in item["options"].items()) == 1]
 
 @scenario("retail", "exchange_item")
 def _exchange_item(rng, db):
-    o, u, facts, gold = _retail(rng, db, "delivered", lambda o: any(_swaps(db, i) for i in o["items"]))
-    item = rng.choice([i for i in o["items"] if _swaps(db, i)])
-    new, paid_with = rng.choice(_swaps(db, item)), o["payment_history"][0]["payment_method_id"]
+    o, u, facts, gold = _retail(rng, db, "delivered", lambda o: any(_exchanges_for(db, i) for i in o["items"]))
+    item = rng.choice([i for i in o["items"] if _exchanges_for(db, i)])
+    new, paid_with = rng.choice(_exchanges_for(db, item)), o["payment_history"][0]["payment_method_id"]
     axis, value = next((k, x) for k, x in new["options"].items() if item["options"][k] != x)
     return dict(tier="medium", facts={**facts, "item": item["name"], "option": f"{axis} {value}",
                                       "payment_method": paid_with},
