@@ -4,7 +4,7 @@ What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in t
 package, converted once to a cached safetensors copy); token-exact chat formatting (Hermes/Qwen
 tools on ChatML) and tool-call parsing; simulated users (scripted, OpenAI-compatible LLM, local
 HF model, none); run_episodes(): tasks x group_size conversations advanced together, one batched
-generate per round, each ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens,
+decode per round, each ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens,
 sampler log-probs, messages, reward, stop reason).
 
 Run
@@ -16,11 +16,11 @@ Simplifications vs the paper
   * the user is a scripted simulator by default (a 135M model cannot play a user); the
     paper's GPT-4o user is `--user openai:MODEL`;
   * only the first tool call of a turn is executed (as in the official code);
-  * one process, plain HF generate (no vLLM); of the KV cache only the shared system-prompt prefix
-    is reused across rounds (each round re-reads the rest of every conversation).
+  * one process, our own batched sampler over an HF model (no vLLM, no paged attention): each
+    conversation's KV cache is kept between rounds and the shared system prompt is stored and
+    attended once (kernels/attention.py); --bench measures it against one conversation at a time.
 """
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from transformers.cache_utils import Cache
 
 import envs
+from kernels.attention import KVBuffer, first_tokens
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # bf16 matmuls are slow on these CPUs
@@ -323,8 +325,7 @@ class NoUser(User):
         return STOP
 
 
-# ---- LLM users: OpenAIUser, LocalUser (owned by the "users" helper) ----
-# Both play the customer from task.instruction alone, never seeing the tools, the policy or the DB.
+# ---- LLM users: OpenAIUser, LocalUser. Both play the customer from task.instruction alone, never seeing the tools, the policy or the DB.
 # Their chat is the agent's conversation with roles flipped: the agent's visible text (tool-call
 # tags and tool turns removed) becomes "user" turns, the simulator's own messages "assistant" turns.
 
@@ -371,7 +372,17 @@ class UserSimulatorError(RuntimeError):
     """The LLM user simulator gave no usable reply, even after retries."""
 
 
-class OpenAIUser(User):
+class LLMUser(User):
+    """A user simulator that writes each message with an LLM: _complete(the agent's view) -> text."""
+
+    def first_message(self) -> str:
+        return self._complete([])
+
+    def reply(self, messages: list[dict]) -> str:
+        return self._complete(messages)
+
+
+class OpenAIUser(LLMUser):
     """User simulator behind any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp).
     base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. Retries, sleeping backoff * 2**k s,
     on 408/409/429/5xx, timeouts, refused connections and bodies that are not a chat completion; other
@@ -388,12 +399,6 @@ class OpenAIUser(User):
                                     api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none",  # local servers ignore it
                                     timeout=timeout, max_retries=0)   # retries: our own loop below
         self.usage.update(requests=0, retries=0)
-
-    def first_message(self) -> str:
-        return self._complete([])
-
-    def reply(self, messages: list[dict]) -> str:
-        return self._complete(messages)
 
     def _complete(self, messages: list[dict]) -> str:
         import openai
@@ -427,19 +432,13 @@ class OpenAIUser(User):
             f"(OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
 
 
-class LocalUser(User):
+class LocalUser(LLMUser):
     """User simulator played by a Hugging Face causal LM in this process (greedy, short replies).
     Given the policy itself (a peft model), the base model plays the user: the LoRA adapter is switched off."""
 
     def __init__(self, task, model, tokenizer, max_new_tokens=64):
         super().__init__(task)
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
-
-    def first_message(self) -> str:
-        return self._complete([])
-
-    def reply(self, messages: list[dict]) -> str:
-        return self._complete(messages)
 
     @torch.no_grad()
     def _complete(self, messages: list[dict]) -> str:
@@ -455,9 +454,6 @@ class LocalUser(User):
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
-# ---- end of LLM users ----
-
-
 def make_user(spec: str, task, seed: int = 0, **kw) -> User:
     """spec: "scripted" | "none" | "local" | "openai:MODEL"."""
     if spec == "scripted":
@@ -465,9 +461,9 @@ def make_user(spec: str, task, seed: int = 0, **kw) -> User:
     if spec == "none":
         return NoUser(task)
     if spec == "local":
-        return LocalUser(task, **kw)                   # noqa: F821 (defined in the LLM users section)
+        return LocalUser(task, **kw)
     if spec.startswith("openai:"):
-        return OpenAIUser(task, spec.split(":", 1)[1], **kw)   # noqa: F821
+        return OpenAIUser(task, spec.split(":", 1)[1], **kw)
     raise SystemExit(f"unknown user simulator {spec!r}: use scripted, none, local or openai:MODEL")
 
 
@@ -476,63 +472,99 @@ def make_user(spec: str, task, seed: int = 0, **kw) -> User:
 #   batch: list of (task, messages, token_ids) -> list of (new_token_ids, logprobs).
 # new_token_ids end with the end-of-turn token, unless the turn was cut at max_new_tokens.
 
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
 class ModelAgent:
-    """The policy: one batched HF generate call per round. The prompt prefix all rows share (the
-    system prompt, ~1.8k tokens: the bulk of a CPU round's cost) is prefilled once into a KV cache and
-    reused by every row and round while the weights are unchanged (tensor _version counters)."""
+    """The policy as a sampler: act() advances every waiting conversation by one turn, sampling from
+    softmax(logits / T) (no top-k/top-p; T = 0: greedy) and keeping each sampled token's log-prob.
+
+    KV reuse, so a round costs the new tokens only: each conversation's keys/values are remembered
+    between rounds (the next round prefills just the user/tool turn appended since), and the prefix all
+    conversations share (the ~1.8k-token system prompt) is prefilled once, stored once and, while
+    decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
+    weights change (an optimizer step bumps the parameters' _version counters)."""
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256):
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self.prefix, self.prefix_kv, self.version = (), None, None   # token ids, their DynamicCache
+        self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
 
-    @torch.no_grad()
-    def _cache_prefix(self, rows) -> tuple:
-        """Longest prefix all rows share; its KV cache is the cached one cut back and extended."""
-        cap = min(map(len, rows)) - 1                  # each row keeps >= 1 token for generate to feed
-        n = next((i for i in range(cap) if any(r[i] != rows[0][i] for r in rows)), cap)
-        prefix, version = tuple(rows[0][:n]), sum(p._version for p in self.model.parameters())
-        old = self.prefix if version == self.version else ()   # optimizer steps bump _version
-        m = next((i for i in range(min(len(old), n)) if old[i] != prefix[i]), min(len(old), n))
-        if 0 < m < len(old):
-            self.prefix_kv.crop(m - len(old))            # (transformers 5: a negative count)
-        if m < n:
-            self.prefix_kv = self.model(torch.tensor([prefix[m:]], device=self.model.device),
-                                        past_key_values=self.prefix_kv if m else None).past_key_values
-        self.prefix, self.version = prefix, version
-        return prefix
+    def _cached(self, ids: torch.Tensor) -> tuple[int, list]:
+        """(c, kv): the longest prefix of ids the memo holds, leaving >= 1 token to feed, and its KV."""
+        c, kv = max(((min(_common_prefix(m, ids), len(ids) - 1), kv) for m, kv in self.memo),
+                    key=lambda x: x[0], default=(0, None))
+        return c, [first_tokens(pieces, c) for pieces in kv] if c else None
+
+    def _prefill(self, ids: torch.Tensor):
+        """Feed ids after their cached prefix (batch 1: no padding). -> (per layer (k, v) of all ids
+        as one piece, each (1, kv_heads, n, hd); logits of the last token (V,))."""
+        c, kv = self._cached(ids)
+        cache = Cache(layers=[KVBuffer([pieces], c, len(ids) - c) for pieces in kv]) if c else None
+        out = self.model(input_ids=ids[None, c:].to(self.model.device), logits_to_keep=1,
+                         past_key_values=cache)                          # positions continue from c
+        return [(layer.keys, layer.values) for layer in out.past_key_values.layers], out.logits[0, -1]
 
     @torch.no_grad()
     def act(self, batch):
-        rows, pad, was_training = [ids for _, _, ids in batch], self.tok.pad_token_id, self.model.training
+        rows = [torch.tensor(ids) for _, _, ids in batch]
+        was_training, eot, T = self.model.training, self.fmt.end_of_turn_id, self.temperature
         self.model.eval()
-        prefix = self._cache_prefix(rows)
-        P, B, L = len(prefix), len(rows), max(map(len, rows))
-        kv = copy.deepcopy(self.prefix_kv) if P else None   # generate appends to it: keep the original
-        if P:
-            kv.batch_repeat_interleave(B)                # (1, heads, P, d) -> (B, heads, P, d) per layer
-        # prefix, then padding, then the row's own tokens. pad == eos, so the attention mask (and from it
-        # the position ids) comes from positions, never from pad ids.
-        input_ids, attn = torch.full((B, L), pad), torch.zeros((B, L), dtype=torch.long)   # (B, L)
-        input_ids[:, :P], attn[:, :P] = torch.tensor(prefix, dtype=torch.long), 1
-        for b, ids in enumerate(rows):
-            input_ids[b, L - len(ids) + P:], attn[b, L - len(ids) + P:] = torch.tensor(ids[P:]), 1
-        out = self.model.generate(
-            input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
-            past_key_values=kv, do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
-            max_new_tokens=self.max_new_tokens, eos_token_id=self.fmt.end_of_turn_id, pad_token_id=pad,
-            output_logits=True, return_dict_in_generate=True)
+        version = sum(p._version for p in self.model.parameters())
+        if version != self.version:
+            self.memo, self.version = [], version
+        # the prefix every row shares: prefilled once (and remembered) if not cached yet
+        P = max(0, min(min(_common_prefix(rows[0], r) for r in rows), min(map(len, rows)) - 1))
+        if len(rows) > 1 and P and any(self._cached(r)[0] < P for r in rows):
+            self.memo.append((rows[0][:P], [[kv] for kv in self._prefill(rows[0][:P])[0]]))
+        kvs, logits = zip(*(self._prefill(r) for r in rows))
+        # decode all rows together. The shared prefix's keys/values are kept once; row i's own part
+        # (n_i - P tokens) sits left-padded in a (B, L + room) buffer. The attention mask hides the
+        # padding; positions count the row's own tokens.
+        prefix = [(k[:, :, :P], v[:, :, :P]) for k, v in kvs[0]]
+        B, L, room = len(rows), max(map(len, rows)) - P, self.max_new_tokens
+        cache = Cache(layers=[KVBuffer([[(k[:, :, P:], v[:, :, P:])] for k, v in (kv[l] for kv in kvs)], L, room)
+                              for l in range(len(prefix))])
+        n, dev = [len(r) for r in rows], self.model.device
+        attn = (torch.arange(L + room)[None] >= L + P - torch.tensor(n)[:, None]).long().to(dev)   # (B, L + room)
+        attn[:, L:] = 0                                                     # opened as tokens arrive
+        live, logits = torch.arange(B), torch.stack(logits).float()          # rows still decoding; (B, V)
+        new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
+        impl, self.model.config._attn_implementation = self.model.config._attn_implementation, "shared_prefix"
+        try:
+            for s in range(room):
+                logp = torch.log_softmax(logits / (T or 1.0), -1)               # (b, V)
+                tok = logits.argmax(-1) if T == 0 else torch.multinomial(logp.exp(), 1)[:, 0]
+                lp = logp.gather(-1, tok[:, None])[:, 0]
+                for i, t, p in zip(live.tolist(), tok.tolist(), lp.tolist()):
+                    new[i].append(t)
+                    lps[i].append(p)
+                done = ((tok == eot) | (s == room - 1)).cpu()
+                for j in done.nonzero()[:, 0].tolist():   # remember its KV: row + all sampled tokens but the last
+                    i = int(live[j])
+                    own = slice(L + P - n[i], L + s)
+                    memo[i] = (torch.cat([rows[i], torch.tensor(new[i][:-1], dtype=torch.long)]),
+                               [[shared, (layer.k[j:j + 1, :, own].clone(), layer.v[j:j + 1, :, own].clone())]
+                                for shared, layer in zip(prefix, cache.layers)])
+                if done.all():
+                    break
+                if done.any():
+                    keep = (~done).nonzero()[:, 0]
+                    live, tok, attn = live[keep], tok[keep.to(dev)], attn[keep.to(dev)]
+                    for layer in cache.layers:
+                        layer.select(keep.to(dev))
+                attn[:, L + s] = 1
+                logits = self.model(input_ids=tok[:, None], attention_mask=attn[:, :L + s + 1], past_key_values=cache,
+                                    position_ids=torch.tensor([[n[i] + s] for i in live.tolist()], device=dev),
+                                    shared_prefix=prefix if P else None).logits[:, -1].float()
+        finally:
+            self.model.config._attn_implementation = impl
+        self.memo = memo
         self.model.train(was_training)
-        new = out.sequences[:, L:]                                         # (B, N)
-        # log-probs under the distribution actually sampled from, softmax(logits / T) (no top-k/top-p);
-        # one step at a time: out.logits is N tensors of (B, V), never stacked into (B, N, V)
-        lp = torch.stack([torch.log_softmax(step.float() / self.temperature, -1).gather(-1, new[:, t, None])[:, 0]
-                          for t, step in enumerate(out.logits)], dim=1).cpu()       # (B, N)
-        results, eot = [], self.fmt.end_of_turn_id
-        for row, row_lp in zip(new.cpu().tolist(), lp.tolist()):          # cut at the first end-of-turn
-            n = row.index(eot) + 1 if eot in row else len(row)             # (none: truncated turn)
-            results.append((row[:n], row_lp[:n]))
-        return results
+        return list(zip(new, lps))
 
 
 class TextAgent:
