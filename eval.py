@@ -33,8 +33,12 @@ Simplifications vs the paper
     as in BFCL; all calls of a step are executed, as BFCL does. Our Hermes calls become BFCL's
     python-call strings in BFCL's own format (its convert_to_function_call lives in a module that
     imports tree-sitter, so to_python_call writes the same one line instead of adding 4 packages);
-  * the agent samples (ModelAgent has no greedy mode), so user_sim_suspect also catches agent
-    sampling luck: read it as "failed, yet solvable with another user", then look at the transcripts.
+  * the agent decodes greedily by default (--temperature 0), as tau-bench runs its agents; trials
+    then differ by the user's seed (the scripted user varies its phrasing), so pass^k measures
+    consistency across users. With --temperature > 0, user_sim_suspect also catches agent sampling
+    luck: read it as "failed, yet solvable with another user", then look at the transcripts;
+  * besides pass^k, the table counts the agent's tool calls per agent turn (ok = executed without
+    error, err = the env refused it, malformed = not parseable): a format learned shows there first.
 """
 import argparse
 import itertools
@@ -77,7 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
     p.add_argument("--max-context", type=int, default=None, help="episode token limit (preset)")
-    p.add_argument("--temperature", type=float, default=1.0, help="agent sampling temperature (> 0; as in training)")
+    p.add_argument("--temperature", type=float, default=0.0, help="agent temperature (0: greedy, as tau-bench; "
+                   "training samples at 1.0)")
     p.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (preset; 0 = off)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the CI")
     p.add_argument("--bfcl", type=int, default=0, help="BFCL multi_turn_base entries to run per agent (0 = skip)")
@@ -183,13 +188,13 @@ def build_agent(spec: str, args):
 # ----------------------------------------------------------------------------- pass^k evaluation
 
 def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", seed: int = 0,
-             max_turns: int = 8, max_context: int = 3072, temperature: float = 1.0, max_new_tokens: int = 96,
+             max_turns: int = 8, max_context: int = 3072, temperature: float = 0.0, max_new_tokens: int = 96,
              recheck: int = 0, n_boot: int = 1000, progress: bool = True, **user_kw) -> dict:
     """pass^k of `agent` (a rollout agent, or a model to wrap in ModelAgent) on `tasks`, `trials` each.
 
     Returns {"overall", "per_domain", "per_scenario"} summaries (see summarize), "rewards"
     {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included),
-    "stop_reasons", "seconds".
+    "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "seconds".
     """
     if not hasattr(agent, "act"):
         agent = rollout.ModelAgent(agent, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens)
@@ -219,9 +224,12 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
         for t in tasks:
             groups[getattr(t, attr)][t.id] = rewards[t.id]
         return {g: summarize(r, n_boot, seed) for g, r in sorted(groups.items())}
+    n = lambda key: sum(tr.stats[key] for tr in trajs)   # noqa: E731; tool_calls counts every executed call
+    calls = {"turns": sum(tr.turns for tr in trajs), "ok": n("tool_calls") - n("tool_errors"),
+             "err": n("tool_errors"), "malformed": n("malformed_calls")}
     return {"overall": summarize(rewards, n_boot, seed), "per_domain": per("domain"), "per_scenario": per("scenario"),
             "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
-            "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "seconds": time.time() - t0}
+            "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls, "seconds": time.time() - t0}
 
 
 # ----------------------------------------------------------------------------- BFCL multi-turn (offline)
@@ -388,11 +396,14 @@ def markdown(results: dict) -> str:
     lines = [f"Held-out test tasks: {first['overall']['n_tasks']} ({per_domain}), {first['overall']['trials']} trials "
              "each; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
-             " | ".join(f"{d} pass^1" for d in first["per_domain"]) + " | user-sim suspects | BFCL multi_turn_base |",
-             "|---" * (len(ks) + len(first["per_domain"]) + 3) + "|"]
+             " | ".join(f"{d} pass^1" for d in first["per_domain"]) + " | tool calls ok / err / malformed per 100 "
+             "turns | user-sim suspects | BFCL multi_turn_base |", "|---" * (len(ks) + len(first["per_domain"]) + 4) + "|"]
     for a in agents:
         tau, bfcl = results[a]["tau"], results[a].get("bfcl")
         row = [fmt(tau["overall"], k) for k in ks] + [fmt(s, 1) for s in tau["per_domain"].values()]
+        c = tau["calls"]
+        row += [" / ".join(f"{100 * c[k] / max(1, c['turns']):.0f}" for k in ("ok", "err", "malformed")) +
+                f" ({c['turns']} turns)"]
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-",
                 f"{bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
         lines.append(f"| {a} | " + " | ".join(row) + " |")
