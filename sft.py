@@ -33,14 +33,15 @@ Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
               any HF model in 4-bit (GPU). rl.py's KL reference is this model with the adapter
               switched off, so SFT and RL share one frozen base; and full FT's fp32 Adam state
               would not fit 4-bit weights.
-  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: 1 per
-              scenario = 12. A 2,800-token conversation (1,700 of them system prompt + tool schemas)
-              costs ~25-35 s of LoRA forward+backward on 2 cores: 10 minutes buy ~15 passes.
-  epochs      2 -> gpu 2; cpu 1 (12 conversations once is what fits the time budget).
-  batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2 (1 x 2): with 12 conversations, 128 would
+  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: 2 per
+              scenario = 24. A 2,700-token conversation (1,760 of them system prompt + tool schemas)
+              costs ~16 s of LoRA forward+backward on 2 cores (~165 tok/s with checkpointing):
+              24 conversations = 12 steps, 6.6 min measured with loading (10 min budget).
+  epochs      2 -> gpu 2; cpu 1 (new tasks beat repeats: the agent must learn to copy ids).
+  batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2 (1 x 2): with 24 conversations, 128 would
               be less than one step; more, smaller steps are what a short run needs.
   lr          5e-6 -> gpu 1e-4, cpu 1e-3: a LoRA delta starts at zero and, with alpha/r = 2,
-              needs a 10-100x larger lr than full fine-tuning; the CPU run has only 6 steps.
+              needs a 10-100x larger lr than full fine-tuning; the CPU run has only 12 steps.
   schedule    (not stated) -> 10% linear warmup (>= 1 step), cosine decay to 0; AdamW, no weight decay,
               grad-norm clip 1.0.
   max length  (not stated) -> gpu 8192, cpu 4096: whole conversations, never truncated in practice.
@@ -66,12 +67,12 @@ from kernels import sequence_logprobs
 from rollout import TextAgent
 
 
-# Sizes by machine. CPU: a 2,800-token conversation costs ~25-35 s of LoRA fwd+bwd on 2 cores (the
-# system prompt with tool schemas alone is ~1,700 tokens), so 10 minutes buy ~15 sequence passes.
+# Sizes by machine. CPU: a 2,700-token conversation costs ~16 s of LoRA fwd+bwd on 2 cores (the
+# system prompt with tool schemas alone is ~1,760 tokens): 24 of them ran in 6.6 min with loading.
 PRESETS = {
     "gpu":   dict(tasks_per_scenario=167, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4, max_len=8192,
                  save_every=20),                     # 167 x 12 scenarios = 2,004 conversations, as in the paper
-    "cpu":   dict(tasks_per_scenario=1, epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3, max_len=4096,
+    "cpu":   dict(tasks_per_scenario=2, epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3, max_len=4096,
                  save_every=2),
     "smoke": dict(tasks_per_scenario=1, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3, max_len=1800,
                  save_every=1, max_steps=1),
@@ -87,7 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for tasks, oracle phrasing, user, data order")
     # data
     p.add_argument("--domains", default=",".join(envs.DOMAINS), help="comma-separated domains")
-    p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 1, gpu 167)")
+    p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 2, gpu 167)")
     p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
     p.add_argument("--user", default="scripted", help="user simulator: scripted | openai:MODEL | local | none")
     p.add_argument("--max-turns", type=int, default=30, help="max agent turns per conversation")
