@@ -180,6 +180,6 @@ def test_teacher_path_talks_openai_chat_and_drops_failures(monkeypatch, tmp_path
         sft.make_data(args, rollout.load_tokenizer())
     stats = json.load(open(tmp_path / "data_stats.json"))
     assert stats["agent"] == "fake-model" and stats["kept"] == 0
-    assert stats["tried"] == len(envs.SCENARIOS["airline"])
+    assert stats["tried"] == args.tasks_per_scenario * len(envs.SCENARIOS["airline"])
     assert seen and seen[0][0]["role"] == "system" and "<tools>" in seen[0][0]["content"]
     assert {m["role"] for msgs in seen for m in msgs} <= {"system", "user", "assistant"}
