@@ -37,7 +37,7 @@ Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
               scenario = 24. A 2,700-token conversation (1,760 of them system prompt + tool schemas)
               costs ~16 s of LoRA forward+backward on 2 cores (~165 tok/s with checkpointing):
               24 conversations = 12 steps, 6.6 min measured with loading (10 min budget).
-  epochs      2 -> gpu 2; cpu 1 (new tasks beat repeats: the agent must learn to copy ids).
+  epochs      2 -> gpu 2; cpu 1 (new tasks rather than repeats: more ids for the agent to copy).
   batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2 (1 x 2): with 24 conversations, 128 would
               be less than one step; more, smaller steps are what a short run needs.
   lr          5e-6 -> gpu 1e-4, cpu 1e-3: a LoRA delta starts at zero and, with alpha/r = 2,
