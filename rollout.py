@@ -325,7 +325,8 @@ class NoUser(User):
         return STOP
 
 
-# ---- LLM users: OpenAIUser, LocalUser. Both play the customer from task.instruction alone, never seeing the tools, the policy or the DB.
+# ---- LLM users: OpenAIUser, LocalUser. Both play the customer from task.instruction alone, never
+# seeing the tools, the policy or the DB.
 # Their chat is the agent's conversation with roles flipped: the agent's visible text (tool-call
 # tags and tool turns removed) becomes "user" turns, the simulator's own messages "assistant" turns.
 
