@@ -32,9 +32,9 @@ Differences from the paper (and its official code):
   turns of 96 new tokens, 3072-token context, easy tier only, a checkpoint every step. Same
   algorithm, tiny numbers: on 2 cores a step costs ~1 min, plus an estimated ~1.5 min per group
   with reward variance (see CPU_PRESET), so the CPU run shows the loop working, not a learning
-  curve. Easy
-  tasks only because a group teaches something only if some but not all of its rollouts succeed,
-  and a briefly fine-tuned 135M model has its best odds where the opening carries every id.
+  curve. Easy tasks only because a group teaches something only if some but not all of its
+  rollouts succeed, and a briefly fine-tuned 135M model has its best odds where the opening
+  carries every id.
   Raise --steps/--tasks/--tiers when you have time.
 - One optimizer step per batch of rollouts by default (--mini-batches 1); then the old
   policy equals the policy, so old log-probs are the detached policy log-probs (no
