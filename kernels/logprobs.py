@@ -284,7 +284,8 @@ def masked_logprobs_chunked(hidden, weight, targets, mask, temperature=1.0, chun
     return torch.zeros(mask.shape[0], dtype=torch.float32, device=hidden.device).index_copy(0, rows, lp)
 
 
-def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, chunk=4096):
+def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, chunk=4096,
+                      past_key_values=None):
     """out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where loss_mask[b, t] == 1, else 0. (B, T) fp32.
 
     model: a HF causal LM or a peft model wrapping one. LoRA is active unless called inside
@@ -293,6 +294,8 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     Positions count real tokens (attention_mask.cumsum - 1), as HF generate does with left padding;
     for right-padded sequences that start at position 0 they are simply 0, 1, 2, ...
     Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
+    past_key_values: a cache of P tokens that every row continues (see backward_with_shared_prefix);
+    positions then start at P, and column 0 is still 0 (its context ends inside the cache).
     """
     body, lm_head = model.get_decoder(), model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
@@ -302,12 +305,52 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
         raise ValueError("models with final_logit_softcapping are not supported by sequence_logprobs")
     attention_mask = torch.as_tensor(attention_mask, device=input_ids.device).long()
     loss_mask = torch.as_tensor(loss_mask, device=input_ids.device)
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same ids the sampler used
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                  use_cache=False).last_hidden_state  # (B, T, H)
+    P = 0 if past_key_values is None else past_key_values.get_seq_length()
+    positions = P + (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same ids the sampler used
+    full_mask = F.pad(attention_mask, (P, 0), value=1)             # the cached prefix is all real tokens
+    hidden = body(input_ids=input_ids, attention_mask=full_mask, position_ids=positions,
+                  past_key_values=past_key_values, use_cache=past_key_values is not None).last_hidden_state
     B, T, H = hidden.shape
     # the hidden state at t-1 predicts token t
     mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
     lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
                                  mask.reshape(-1), temperature, chunk)
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
+
+
+def backward_with_shared_prefix(model, prefix_ids, micro_batches, loss_of, temperature=1.0, chunk=4096):
+    """Backpropagate sum_i loss_of(i, logp_i) for micro-batches that all continue the same prefix
+    (in SFT and GRPO: the ~1.8k-token system prompt of a domain), running the prefix once instead of
+    once per sequence. The gradient is exact: the same as one full forward/backward per sequence.
+
+      1. the prefix goes forward once, with grad, caching its keys/values per layer;
+      2. each micro-batch goes forward against detached copies of those keys/values and is
+         backpropagated at once (its graph freed); this also sums dloss/d(prefix keys, values)
+         over the micro-batches into the copies' .grad;
+      3. one backward through the prefix with those sums.
+
+    prefix_ids: (P,) long. micro_batches: [(input_ids, attention_mask, loss_mask)], each (B_i, T_i),
+    right-padded, the tokens that follow the prefix. loss_mask[:, 0] must be 0: that token's
+    log-prob needs the prefix's last hidden state, which step 2 does not see.
+    loss_of(i, logp): a scalar tensor from logp (B_i, T_i) (sequence_logprobs' layout).
+    Returns the loss values. Needs activation checkpointing off (transformers drops the cache under it).
+    """
+    from transformers import DynamicCache
+    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and model.training:
+        raise ValueError("backward_with_shared_prefix needs gradient checkpointing off: "
+                         "transformers ignores past_key_values in checkpointed layers")
+    out = model.get_decoder()(input_ids=prefix_ids[None], use_cache=True)
+    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]          # in the graph
+    leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
+    losses = []
+    for i, (ids, attn, mask) in enumerate(micro_batches):
+        if torch.as_tensor(mask)[:, 0].any():
+            raise ValueError("loss_mask[:, 0] must be 0: the prefix must end before the first trained token")
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(leaves):
+            cache.update(k.expand(len(ids), -1, -1, -1), v.expand(len(ids), -1, -1, -1), layer)
+        loss = loss_of(i, sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=cache))
+        loss.backward()
+        losses.append(loss.item())
+    torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])
+    return losses

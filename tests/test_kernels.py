@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from kernels import logprobs_torch, masked_logprobs, masked_logprobs_chunked, sequence_logprobs
+from kernels import (backward_with_shared_prefix, logprobs_torch, masked_logprobs, masked_logprobs_chunked,
+                     sequence_logprobs)
 from kernels.logprobs import HAVE_TRITON
 
 IMPLS = ["triton", "torch"] if HAVE_TRITON else ["torch"]
@@ -301,6 +302,49 @@ def test_sequence_logprobs_lora_and_reference_policy(tiny_llama):
         assert all(p.grad is None for n, p in peft_model.named_parameters() if "lora_" not in n)
     finally:
         peft_model.unload()  # leave the shared fixture model as it was
+
+
+def test_backward_with_shared_prefix_gives_the_full_gradient(tiny_llama):
+    """Prefix once + suffixes against its detached keys/values + one prefix backward == a full
+    forward/backward per sequence: same losses, same LoRA gradients (incl. through the prefix)."""
+    from peft import LoraConfig, get_peft_model
+    model, _, _, _ = tiny_llama
+    torch.manual_seed(2)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                  init_lora_weights=False))
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(3)
+    P, lengths = 9, [20, 15, 17]
+    prefix = torch.randint(0, 257, (P,), generator=gen)
+    rows = [torch.cat([prefix, torch.randint(0, 257, (n - P,), generator=gen)]) for n in lengths]
+    masks = [(torch.rand(n, generator=gen) < 0.6).long() for n in lengths]
+    for m in masks:
+        m[:P + 1] = 0                                    # the prompt and the first suffix token are not trained
+    n_tok = sum(int(m.sum()) for m in masks)
+    try:
+        want = 0.0                                       # one full forward/backward per sequence
+        for ids, m in zip(rows, masks):
+            loss = -sequence_logprobs(peft_model, ids[None], torch.ones(1, len(ids)), m[None]).sum() / n_tok
+            loss.backward()
+            want += loss.item()
+        want_grads = [p.grad.clone() for p in params]
+        peft_model.zero_grad(set_to_none=True)
+        batches = [(rows[0][None, P:], torch.ones(1, lengths[0] - P, dtype=torch.long), masks[0][None, P:])]
+        T = max(lengths[1:]) - P                         # rows 1 and 2 as one right-padded micro-batch
+        ids, attn, m = (torch.zeros(2, T, dtype=torch.long) for _ in range(3))
+        for b, j in enumerate([1, 2]):
+            n = lengths[j] - P
+            ids[b, :n], attn[b, :n], m[b, :n] = rows[j][P:], 1, masks[j][P:]
+        batches.append((ids, attn, m))
+        got = backward_with_shared_prefix(peft_model, prefix, batches, lambda i, lp: -lp.sum() / n_tok)
+        assert abs(sum(got) - want) < 1e-5, (got, want)
+        for k, (g, w) in enumerate(zip([p.grad for p in params], want_grads)):
+            assert_close(f"LoRA grad {k}", g, w, 1e-4)
+        assert max(w.abs().max() for w in want_grads) > 1e-3          # gradients are not trivially zero
+        with pytest.raises(ValueError, match="loss_mask"):           # a trained first token is refused
+            backward_with_shared_prefix(peft_model, prefix, [(ids, attn, torch.ones_like(m))], lambda i, lp: lp.sum())
+    finally:
+        peft_model.unload()
 
 
 # ---------------------------------------------------------------------------------------------
