@@ -57,9 +57,9 @@ import rollout
 
 GPU_DEFAULTS = dict(n_tasks=24, trials=4, max_turns=30, max_new_tokens=256, max_context=8192, recheck=16,
                     bfcl_steps=20)
-# CPU, 2 cores, 135M model: ~60 tok/s sampled at batch 8, and every round re-reads the ~1.7k-token
-# system prompt (no KV cache across rounds), so an episode costs ~10 s. 6 tasks x 2 trials + 3
-# re-runs is ~3 minutes per agent: base, SFT and RL in ~10 minutes. Same turn/token limits as rl.py's.
+# CPU, 2 cores, 135M model, greedy, 16 episodes of <= 6 turns at once: measured 141-184 s per agent
+# (~10 s an episode). 6 tasks x 2 trials + 3 re-runs: ~3 minutes per agent, base + SFT + RL ~10.
+# Same turn/token limits as rl.py's.
 CPU_PRESET = dict(n_tasks=3, trials=2, max_turns=6, max_new_tokens=96, max_context=3072, recheck=3, bfcl_steps=4)
 SMOKE = dict(n_tasks=1, trials=2, max_turns=1, max_new_tokens=8, max_context=2048, recheck=1, bfcl_steps=1)
 
@@ -77,6 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--user-base-url", default=None, help="base URL for an openai:MODEL user")
     p.add_argument("--domains", default="retail,airline", help="comma-separated test domains")
     p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
+    p.add_argument("--tiers", default="easy,medium,hard", help="only test tasks of these tiers (comma-separated)")
     p.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n (preset)")
     p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
@@ -192,7 +193,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
              recheck: int = 0, n_boot: int = 1000, progress: bool = True, **user_kw) -> dict:
     """pass^k of `agent` (a rollout agent, or a model to wrap in ModelAgent) on `tasks`, `trials` each.
 
-    Returns {"overall", "per_domain", "per_scenario"} summaries (see summarize), "rewards"
+    Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
     {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included),
     "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "seconds".
     """
@@ -227,7 +228,8 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     n = lambda key: sum(tr.stats[key] for tr in trajs)   # noqa: E731; tool_calls counts every executed call
     calls = {"turns": sum(tr.turns for tr in trajs), "ok": n("tool_calls") - n("tool_errors"),
              "err": n("tool_errors"), "malformed": n("malformed_calls")}
-    return {"overall": summarize(rewards, n_boot, seed), "per_domain": per("domain"), "per_scenario": per("scenario"),
+    return {"overall": summarize(rewards, n_boot, seed), "per_domain": per("domain"), "per_tier": per("tier"),
+            "per_scenario": per("scenario"),
             "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls, "seconds": time.time() - t0}
 
@@ -387,20 +389,22 @@ def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int
 # ----------------------------------------------------------------------------- report
 
 def markdown(results: dict) -> str:
-    """Side-by-side table of every agent: pass^k overall with CI, per domain and per scenario pass^1."""
+    """Side-by-side table of every agent: pass^k overall with CI, pass^1 per domain, per tier and per scenario."""
     agents = list(results)
     first = results[agents[0]]["tau"]
     ks = list(first["overall"]["pass^k"])
+    groups = [(g, s) for key in ("per_domain", "per_tier") for g, s in first[key].items()]
     fmt = lambda s, k: f"{s['pass^k'][k]:.3f} [{s['ci'][k][0]:.2f}, {s['ci'][k][1]:.2f}]"
-    per_domain = ", ".join(f"{d}: {s['n_tasks']}" for d, s in first["per_domain"].items())
-    lines = [f"Held-out test tasks: {first['overall']['n_tasks']} ({per_domain}), {first['overall']['trials']} trials "
+    counts = ", ".join(f"{g}: {s['n_tasks']}" for g, s in groups)
+    lines = [f"Held-out test tasks: {first['overall']['n_tasks']} ({counts}), {first['overall']['trials']} trials "
              "each; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
-             " | ".join(f"{d} pass^1" for d in first["per_domain"]) + " | tool calls ok / err / malformed per 100 "
-             "turns | user-sim suspects | BFCL multi_turn_base |", "|---" * (len(ks) + len(first["per_domain"]) + 4) + "|"]
+             " | ".join(f"{g} pass^1" for g, _ in groups) + " | tool calls ok / err / malformed per 100 "
+             "turns | user-sim suspects | BFCL multi_turn_base |", "|---" * (len(ks) + len(groups) + 4) + "|"]
     for a in agents:
         tau, bfcl = results[a]["tau"], results[a].get("bfcl")
-        row = [fmt(tau["overall"], k) for k in ks] + [fmt(s, 1) for s in tau["per_domain"].values()]
+        row = [fmt(tau["overall"], k) for k in ks] + [fmt(tau[key][g], 1) for key in ("per_domain", "per_tier")
+                                                      for g in first[key]]
         c = tau["calls"]
         row += [" / ".join(f"{100 * c[k] / max(1, c['turns']):.0f}" for k in ("ok", "err", "malformed")) +
                 f" ({c['turns']} turns)"]
@@ -441,6 +445,13 @@ def plot(results: dict, path: str):
     plt.close(fig)
 
 
+def test_tasks(domains: list[str], n: int, tiers: list[str], seed: int = 0) -> list:
+    """The first n held-out test tasks of each domain whose tier is in tiers."""
+    import envs
+    pool = lambda d: envs.make_tasks(d, "test", n * len(envs.SCENARIOS[d]), seed=seed)   # noqa: E731; cycles scenarios
+    return [t for d in domains for t in [t for t in pool(d) if t.tier in tiers][:n]]
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -449,8 +460,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "args.json"), "w") as f:
         json.dump(vars(args), f, indent=2)
-    import envs
-    tasks = [t for d in args.domains.split(",") for t in envs.make_tasks(d, "test", args.n_tasks, seed=args.seed)]
+    tasks = test_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
     user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else {}
     results = {}
     for spec in args.agents.split(","):

@@ -189,12 +189,14 @@ def test_failures_keep_db_diffs_and_rescued_ones_are_flagged(tasks, tok):
 def test_report_table_and_plot(tmp_path):
     tau = {"overall": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20), "rechecked": 1, "user_sim_suspects": 0,
            "per_domain": {"retail": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20)},
+           "per_tier": {"easy": ev.summarize({"a": [1, 0]}, 20), "medium": ev.summarize({"b": [1, 1]}, 20)},
            "per_scenario": {"cancel_order": ev.summarize({"a": [1, 0]}, 20), "return_item": ev.summarize({"b": [1, 1]}, 20)},
            "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2}}
     results = {"base": {"tau": tau}, "rl": {"tau": tau, "bfcl": {"accuracy": 0.25, "n": 4}}}
     table = ev.markdown(results)
     assert "| base | 0.750 [" in table and "| 0.250 (4 entries) |" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
     assert "| 25 / 15 / 5 (40 turns) |" in table
+    assert "| easy pass^1 | medium pass^1 |" in table and "(retail: 2, easy: 1, medium: 1)" in table
     ev.plot(results, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
