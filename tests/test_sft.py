@@ -37,47 +37,53 @@ def tiny_lora_model(lora_seed=0, vocab=64):
     return model
 
 
-def test_loss_matches_hand_computation_on_agent_tokens_only():
+def _loss(model, rows, share_prefix, n_tok=1):
+    """sft.py's loss on rows (summed -log p over mask-1 tokens / n_tok), its gradient accumulated."""
+    args = SimpleNamespace(micro_batch_size=1, max_len=64, share_prefix=share_prefix, grad_checkpointing="off")
+    return sft.backward_batch(model, rows, args, pad=0, n_tok=n_tok)
+
+
+@pytest.mark.parametrize("share_prefix", ["on", "off"])
+def test_loss_matches_hand_computation_on_agent_tokens_only(share_prefix):
     model = tiny_lora_model()
     ids = torch.randint(3, 64, (2, 12))
-    attn = torch.ones_like(ids)
-    attn[1, 9:] = 0                                               # row 1 is right-padded
+    ids[1, :3] = ids[0, :3]                                       # a shared "system prompt" (run once when on)
     mask = torch.zeros_like(ids)
     mask[0, 4:7] = 1; mask[0, 10:12] = 1; mask[1, 3:6] = 1        # "assistant" spans
-    got = sft.sft_loss_sum(model, ids, attn, mask)
+    rows = [{"token_ids": ids[0].tolist(), "loss_mask": mask[0].tolist()},
+            {"token_ids": ids[1, :9].tolist(), "loss_mask": mask[1, :9].tolist()}]   # row 1 is shorter
+    got = _loss(model, rows, share_prefix)
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
-    want = -sum(logp[b, t - 1, ids[b, t]] for b in range(2) for t in range(12) if mask[b, t])
-    all_tokens = -sum(logp[b, t - 1, ids[b, t]] for b in range(2) for t in range(1, 12) if attn[b, t])
-    print(f"masked loss {got.item():.6f} hand {want.item():.6f} (all tokens {all_tokens.item():.4f})")
-    assert abs(got.item() - want.item()) < 1e-4 * abs(want.item())
-    assert abs(got.item() - all_tokens.item()) > 1.0              # the mask really drops tokens
+        logp = [torch.log_softmax(model(input_ids=torch.tensor([r["token_ids"]])).logits[0].float(), -1)
+                for r in rows]
+    want = -sum(logp[b][t - 1, r["token_ids"][t]] for b, r in enumerate(rows) for t, m in enumerate(r["loss_mask"]) if m)
+    all_tokens = -sum(logp[b][t - 1, r["token_ids"][t]] for b, r in enumerate(rows) for t in range(1, len(r["token_ids"])))
+    print(f"masked loss {got:.6f} hand {want.item():.6f} (all tokens {all_tokens.item():.4f})")
+    assert abs(got - want.item()) < 1e-4 * abs(want.item())
+    assert abs(got - all_tokens.item()) > 1.0                     # the mask really drops tokens
 
 
-def test_user_and_tool_tokens_contribute_nothing():
+@pytest.mark.parametrize("share_prefix", ["on", "off"])
+def test_user_and_tool_tokens_contribute_nothing(share_prefix):
     """Changing the tokens of a trailing user/tool turn (mask 0) leaves loss and grads identical,
     and a masked-out position's target is never read: the loss is a function of agent targets only."""
     model = tiny_lora_model()
-    ids = torch.randint(3, 64, (1, 16))
-    mask = torch.zeros_like(ids)
-    mask[0, 5:10] = 1                                             # assistant turn; 10: are user/tool tokens
-    attn = torch.ones_like(ids)
+    ids = torch.randint(3, 64, (16,))
+    mask = [0] * 5 + [1] * 5 + [0] * 6                            # assistant turn; 10: are user/tool tokens
 
     def loss_and_grads(x):
         model.zero_grad()
-        loss = sft.sft_loss_sum(model, x, attn, mask)
-        loss.backward()
-        return loss.item(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        loss = _loss(model, [{"token_ids": x.tolist(), "loss_mask": mask}], share_prefix)
+        return loss, [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
     l1, g1 = loss_and_grads(ids)
     other = ids.clone()
-    other[0, 10:] = torch.randint(3, 64, (6,))                   # different user / tool text after the turn
-    other[0, :5] = other[0, :5]                                   # (prefix kept: it is context for the turn)
+    other[10:] = torch.randint(3, 64, (6,))                      # different user / tool text after the turn
     l2, g2 = loss_and_grads(other)
     assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(g1, g2))
     assert any(g.abs().sum() > 0 for g in g1)                     # and there is a gradient at all
     changed = ids.clone()
-    changed[0, 7] = (ids[0, 7] + 1) % 64                          # an agent token: the loss must move
+    changed[7] = (ids[7] + 1) % 64                                # an agent token: the loss must move
     assert loss_and_grads(changed)[0] != l1
 
 
@@ -92,19 +98,48 @@ def test_lr_schedule_warmup_then_decay():
 def _train_args(out, **kw):
     base = dict(out=str(out), epochs=2, batch_size=2, micro_batch_size=1, lr=1e-2, warmup_ratio=0.25,
                 schedule="cosine", weight_decay=0.0, max_grad_norm=1.0, max_len=32, save_every=1,
-                stop_after=None, max_steps=None, seed=3)
+                stop_after=None, max_steps=None, seed=3, share_prefix="on", grad_checkpointing="off")
     base.update(kw)
     return SimpleNamespace(**base)
 
 
 def _rows(n=4, seed=0):
+    """Conversations that share a 4-token "system prompt", as one domain's do."""
     g = torch.Generator().manual_seed(seed)
-    rows = []
+    system, rows = torch.randint(3, 64, (4,), generator=g).tolist(), []
     for i in range(n):
         T = 12 + 3 * i
         mask = [0] * 5 + [1] * (T - 8) + [0] * 3
-        rows.append({"token_ids": torch.randint(3, 64, (T,), generator=g).tolist(), "loss_mask": mask})
+        rows.append({"token_ids": system + torch.randint(3, 64, (T - 4,), generator=g).tolist(), "loss_mask": mask})
     return rows
+
+
+def test_batches_hold_one_domain_and_cover_each_epoch():
+    rows = [{"scenario": f"{d}/x", "i": i} for i, d in enumerate(["retail"] * 7 + ["airline"] * 5)]
+    per_epoch = [sft.epoch_batches(rows, 2, seed=0, epoch=e) for e in range(3)]
+    assert [len(b) for b in per_epoch] == [7, 7, 7]               # ceil(7/2) + ceil(5/2), every epoch
+    for batches in per_epoch:
+        assert sorted(j for b in batches for j in b) == list(range(12))          # each row once
+        assert all(len({rows[j]["scenario"] for j in b}) == 1 for b in batches)  # one domain a batch
+    assert per_epoch[0] != per_epoch[1]                           # reshuffled each epoch
+    args = SimpleNamespace(epochs=3, batch_size=2, seed=0, max_steps=None)
+    assert sft.total_steps(args, rows) == 21
+    assert [r["i"] for r in sft.batch_rows(rows, 8, 2, 0)] == [j for j in per_epoch[1][1]]
+
+
+def test_shared_prefix_training_equals_plain_training(tmp_path):
+    """Two steps with the system prompt run once per batch, and two with it run per conversation:
+    same losses, same weights (the shared-prefix gradient is exact)."""
+    tok, rows = SimpleNamespace(pad_token_id=0), _rows()
+    runs = {}
+    for share in ["on", "off"]:
+        model = tiny_lora_model()
+        metrics = sft.train(_train_args(tmp_path / share, share_prefix=share, max_steps=2), model, tok, rows)
+        runs[share] = [m["loss"] for m in metrics], [p.detach().clone() for p in model.parameters()]
+    print("losses on", runs["on"][0], "off", runs["off"][0])
+    assert runs["on"][0] == pytest.approx(runs["off"][0], rel=1e-5, abs=1e-7)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(runs["on"][1], runs["off"][1]))
+    assert sft.shared_prefix_len(rows, 64) == 4                   # the prefix really was shared
 
 
 def test_resume_continues_with_identical_state(tmp_path):
@@ -180,6 +215,8 @@ def test_teacher_path_talks_openai_chat_and_drops_failures(monkeypatch, tmp_path
         sft.make_data(args, rollout.load_tokenizer())
     stats = json.load(open(tmp_path / "data_stats.json"))
     assert stats["agent"] == "fake-model" and stats["kept"] == 0
-    assert stats["tried"] == args.tasks_per_scenario * len(envs.SCENARIOS["airline"])
+    tiers = args.tiers.split(",")                 # the preset's tiers: each scenario of those, tasks_per_scenario times
+    n_scenarios = len({t.scenario for t in envs.make_tasks("airline", "train", 50) if t.tier in tiers})
+    assert stats["tried"] == args.tasks_per_scenario * n_scenarios
     assert seen and seen[0][0]["role"] == "system" and "<tools>" in seen[0][0]["content"]
     assert {m["role"] for msgs in seen for m in msgs} <= {"system", "user", "assistant"}
