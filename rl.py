@@ -57,16 +57,17 @@ import time
 import torch
 
 GPU_DEFAULTS = dict(steps=100, tasks=32, group_size=8, max_turns=30, max_new_tokens=256,
-                    max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10)
+                    max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10,
+                    grad_checkpointing="on")
 # CPU (2 cores, fp32, 135M), quiet machine. Measured: rolling out 2 tasks x 4 (6 rounds of <= 96 tokens)
 # takes ~60 s a step; 8 steps from the SFT adapter took 8.4 min, no group ever having reward variance.
 # Estimated, not yet measured: a group with signal adds ~4 x 20 s of training (2.6k-token trajectories
 # at the ~165 tok/s SFT measured with checkpointing, plus the reference pass). The oracle needs 4-7 turns
 # on easy/medium tasks, hence 6 turns. Two groups a step: more chances of a group with reward variance.
 CPU_PRESET = dict(steps=8, tasks=2, group_size=4, max_turns=6, max_new_tokens=96,
-                  max_context=3072, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1)
+                  max_context=3072, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, grad_checkpointing="off")
 SMOKE = dict(steps=2, tasks=1, group_size=2, max_turns=1, max_new_tokens=8,
-             max_context=2560, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1)
+             max_context=2560, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, grad_checkpointing="off")
 
 
 def parse_args(argv=None):
@@ -96,6 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch of rollouts")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (preset)")
+    p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"],
+                   help="recompute activations in backward (preset: GPU on; CPU off, which lets the system "
+                        "prompt run once per pass)")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank when starting from base")
     p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha when starting from base")
     p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps (preset)")
@@ -166,38 +170,45 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, n_token
 
 def grpo_update(model, optimizer, trajs, adv, args, pad_id):
     """Steps 5-7 for the trajectories of groups with signal: log-probs (policy, old, reference),
-    loss, backward, clip, AdamW. Returns summed stats for logging."""
-    from kernels import sequence_logprobs
+    loss, backward, clip, AdamW. Returns summed stats for logging.
+    A step's rollouts share their system prompt (one domain a step): without activation
+    checkpointing it goes through the model once per pass (kernels.*_with_shared_prefix, exact)."""
+    from kernels import backward_with_shared_prefix, logprobs_with_shared_prefix, shared_prefix_len
+    dev = next(p for p in model.parameters() if p.requires_grad).device
+    P = 0 if args.grad_checkpointing == "on" else shared_prefix_len([t.token_ids for t in trajs],
+                                                                      [t.loss_mask for t in trajs])
+    prefix = torch.tensor(trajs[0].token_ids[:P], dtype=torch.long, device=dev)
     order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))   # less padding per micro-batch
     micro = []
     for s in range(0, len(order), args.micro_batch):
         idx = order[s:s + args.micro_batch]
-        ids, attn, mask = batch_trajectories([trajs[i] for i in idx], pad_id)
-        micro.append(dict(ids=ids, attn=attn, mask=mask, adv=adv[idx]))
-    dev = next(p for p in model.parameters() if p.requires_grad).device
+        ids, attn, mask = (x[:, P:].to(dev) for x in batch_trajectories([trajs[i] for i in idx], pad_id))
+        micro.append(dict(ids=ids, attn=attn, mask=mask, adv=adv[idx].to(dev)))
+    inputs = lambda mbs: [(mb["ids"], mb["attn"], mb["mask"]) for mb in mbs]     # noqa: E731
     with torch.no_grad():        # before any update: reference always, old policy only if it can differ
-        for mb in micro:
-            ids, attn, mask = (mb[k].to(dev) for k in ("ids", "attn", "mask"))
-            with model.disable_adapter():
-                mb["ref"] = sequence_logprobs(model, ids, attn, mask, args.temperature)
-            if args.mini_batches > 1:
-                mb["old"] = sequence_logprobs(model, ids, attn, mask, args.temperature)
+        with model.disable_adapter():
+            for mb, ref in zip(micro, logprobs_with_shared_prefix(model, prefix, inputs(micro), args.temperature)):
+                mb["ref"] = ref
+        if args.mini_batches > 1:
+            for mb, old in zip(micro, logprobs_with_shared_prefix(model, prefix, inputs(micro), args.temperature)):
+                mb["old"] = old
     params = [p for p in model.parameters() if p.requires_grad]
     total = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
     per = math.ceil(len(micro) / args.mini_batches)
     for s in range(0, len(micro), per):
         chunk = micro[s:s + per]
-        n_tokens = sum(int(mb["mask"].sum()) for mb in chunk)
-        optimizer.zero_grad(set_to_none=True)
-        for mb in chunk:
-            ids, attn, mask = (mb[k].to(dev) for k in ("ids", "attn", "mask"))
-            logp = sequence_logprobs(model, ids, attn, mask, args.temperature)   # (b, T), with grad
+        n_tokens = max(1, sum(int(mb["mask"].sum()) for mb in chunk))
+
+        def loss_of(i, logp):                                   # logp: (b, T - P), with grad
+            mb = chunk[i]
             old = mb["old"] if "old" in mb else logp.detach()
-            loss, st = grpo_loss(logp, old, mb["ref"], mb["adv"].to(dev), mask,
-                                 args.clip, args.kl_coef, n_tokens=max(n_tokens, 1))
-            loss.backward()
+            loss, st = grpo_loss(logp, old, mb["ref"], mb["adv"], mb["mask"], args.clip, args.kl_coef,
+                                 n_tokens=n_tokens)
             for k in ("kl_sum", "clipped", "tokens"):
                 total[k] += st[k]
+            return loss
+        optimizer.zero_grad(set_to_none=True)
+        backward_with_shared_prefix(model, prefix, inputs(chunk), loss_of, args.temperature)
         total["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         optimizer.step()
         total["updates"] += 1
@@ -293,8 +304,8 @@ def main(argv=None):
         else:
             print(f"init: SFT adapter {init}")
             model = rollout.load_adapter(model, init, trainable=True)
-    # checkpointing trades ~30% compute for ~half the activation memory; non-reentrant works with LoRA
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.grad_checkpointing == "on":    # less activation memory, ~40% more compute, no shared prefix
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     start, metrics = 0, []
@@ -407,7 +418,8 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
         ids = torch.randint(0, config.vocab_size, (seq_len,), generator=g).tolist()
         trajs.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)))
     adv, _ = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)), n_seq)
-    args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0)
+    args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
+                           grad_checkpointing="on")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     t0 = time.time()
     st = grpo_update(model, opt, trajs, adv, args, pad_id=0)

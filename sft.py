@@ -71,7 +71,7 @@ import torch
 
 import envs
 import rollout
-from kernels import backward_with_shared_prefix, sequence_logprobs
+from kernels import backward_with_shared_prefix, shared_prefix_len
 from rollout import TextAgent
 
 
@@ -350,16 +350,6 @@ def collate(rows: list[dict], max_len: int, pad_id: int):
     return ids, attn, mask
 
 
-def shared_prefix_len(rows: list[dict], max_len: int) -> int:
-    """How many leading tokens all rows share and none is trained on, minus one: the token after the
-    prefix starts each row's remainder, and its log-prob would need the prefix's last hidden state."""
-    first = [r["loss_mask"].index(1) if 1 in r["loss_mask"] else len(r["loss_mask"]) for r in rows]
-    n, ids = 0, [r["token_ids"] for r in rows]
-    while n < min(len(x) for x in ids) and all(x[n] == ids[0][n] for x in ids):
-        n += 1
-    return max(0, min(n, min(first) - 1, max_len - 1))
-
-
 def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
@@ -369,20 +359,15 @@ def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> floa
     groups = {}
     for r in batch:                                                       # same domain = same system prompt
         groups.setdefault(domain_of(r), []).append(r)
+    share = args.share_prefix == "on" and args.grad_checkpointing == "off"
     for rows in groups.values():
-        share = args.share_prefix == "on" and args.grad_checkpointing == "off"
-        P = shared_prefix_len(rows, args.max_len) if share else 0
+        P = min(shared_prefix_len([r["token_ids"] for r in rows], [r["loss_mask"] for r in rows]),
+                args.max_len - 1) if share else 0
         rest = [{"token_ids": r["token_ids"][P:], "loss_mask": r["loss_mask"][P:]} for r in rows]
         parts = [tuple(t.to(dev) for t in collate(rest[i:i + mb], args.max_len - P, pad))
                  for i in range(0, len(rest), mb)]
-        if P:
-            prefix = torch.tensor(rows[0]["token_ids"][:P], device=dev)
-            total += sum(backward_with_shared_prefix(model, prefix, parts, loss_of))
-            continue
-        for i, (ids, attn, mask) in enumerate(parts):
-            loss = loss_of(i, sequence_logprobs(model, ids, attn, mask))   # (B, T) log-probs, 0 off-mask
-            loss.backward()                                               # grads accumulate
-            total += loss.item()
+        prefix = torch.tensor(rows[0]["token_ids"][:P], dtype=torch.long, device=dev)
+        total += sum(backward_with_shared_prefix(model, prefix, parts, loss_of))
     return total
 
 
@@ -528,7 +513,7 @@ def bench(args):
     model, n_tok = rollout.add_lora(model), sum(sum(r["loss_mask"]) for r in rows)
     model.train()
     print(f"{len(rows)} conversations, {sum(len(r['token_ids']) for r in rows)} tokens ({n_tok} trained), "
-          f"shared prefix {shared_prefix_len(rows, args.max_len)} tokens")
+          f"shared prefix {shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} tokens")
     for name, share, ckpt in [("prompt per conversation, activation checkpointing", "off", "on"),
                               ("prompt per conversation", "off", "off"), ("prompt once per batch", "on", "off")]:
         if ckpt == "on":

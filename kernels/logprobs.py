@@ -306,6 +306,9 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     attention_mask = torch.as_tensor(attention_mask, device=input_ids.device).long()
     loss_mask = torch.as_tensor(loss_mask, device=input_ids.device)
     P = 0 if past_key_values is None else past_key_values.get_seq_length()
+    if P and loss_mask[:, 0].any():
+        raise ValueError("loss_mask[:, 0] must be 0 after a cached prefix: the prefix must end before the "
+                         "first trained token (see shared_prefix_len)")
     positions = P + (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same ids the sampler used
     full_mask = F.pad(attention_mask, (P, 0), value=1)             # the cached prefix is all real tokens
     hidden = body(input_ids=input_ids, attention_mask=full_mask, position_ids=positions,
@@ -316,6 +319,44 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
                                  mask.reshape(-1), temperature, chunk)
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
+
+
+def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -> int:
+    """How many leading tokens all sequences share and none is trained on, minus one: the token after
+    the prefix starts each remainder, and its log-prob needs the prefix's last hidden state."""
+    first = min(m.index(1) if 1 in m else len(m) for m in loss_masks)
+    n = 0
+    while n < min(map(len, token_ids)) and all(x[n] == token_ids[0][n] for x in token_ids):
+        n += 1
+    return max(0, min(n, first - 1))
+
+
+def _prefix_kv(model, prefix_ids):
+    """The prefix's keys and values, per layer, from one forward of the decoder (none if it is empty)."""
+    if not len(prefix_ids):
+        return []
+    out = model.get_decoder()(input_ids=prefix_ids[None], use_cache=True)
+    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+
+def _cache(kv, rows: int):
+    """A cache of the prefix for `rows` sequences (None for an empty prefix)."""
+    from transformers import DynamicCache
+    if not kv:
+        return None
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
+    return cache
+
+
+def logprobs_with_shared_prefix(model, prefix_ids, micro_batches, temperature=1.0, chunk=4096):
+    """sequence_logprobs of micro-batches that all continue prefix_ids, the prefix run once.
+    prefix_ids and micro_batches as in backward_with_shared_prefix. -> [logp (B_i, T_i)].
+    Meant for log-probs without grad (reference and old policies): call it under torch.no_grad()."""
+    kv = _prefix_kv(model, prefix_ids)
+    return [sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=_cache(kv, len(ids)))
+            for ids, attn, mask in micro_batches]
 
 
 def backward_with_shared_prefix(model, prefix_ids, micro_batches, loss_of, temperature=1.0, chunk=4096):
@@ -329,28 +370,25 @@ def backward_with_shared_prefix(model, prefix_ids, micro_batches, loss_of, tempe
          over the micro-batches into the copies' .grad;
       3. one backward through the prefix with those sums.
 
-    prefix_ids: (P,) long. micro_batches: [(input_ids, attention_mask, loss_mask)], each (B_i, T_i),
-    right-padded, the tokens that follow the prefix. loss_mask[:, 0] must be 0: that token's
-    log-prob needs the prefix's last hidden state, which step 2 does not see.
-    loss_of(i, logp): a scalar tensor from logp (B_i, T_i) (sequence_logprobs' layout).
-    Returns the loss values. Needs activation checkpointing off (transformers drops the cache under it).
+    prefix_ids: (P,) long (P may be 0). micro_batches: [(input_ids, attention_mask, loss_mask)], each
+    (B_i, T_i), right-padded, the tokens that follow the prefix. loss_mask[:, 0] must be 0 if P > 0
+    (shared_prefix_len picks such a P). loss_of(i, logp): a scalar tensor from logp (B_i, T_i), laid
+    out as sequence_logprobs returns it. Returns the loss values. P > 0 needs activation
+    checkpointing off (transformers drops the cache inside checkpointed layers); P = 0 is the plain
+    pass, one forward/backward per micro-batch.
     """
-    from transformers import DynamicCache
-    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and model.training:
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and model.training
+    if len(prefix_ids) and checkpointed:
         raise ValueError("backward_with_shared_prefix needs gradient checkpointing off: "
                          "transformers ignores past_key_values in checkpointed layers")
-    out = model.get_decoder()(input_ids=prefix_ids[None], use_cache=True)
-    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]          # in the graph
+    kv = _prefix_kv(model, prefix_ids)                                           # in the graph
     leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
     losses = []
     for i, (ids, attn, mask) in enumerate(micro_batches):
-        if torch.as_tensor(mask)[:, 0].any():
-            raise ValueError("loss_mask[:, 0] must be 0: the prefix must end before the first trained token")
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(leaves):
-            cache.update(k.expand(len(ids), -1, -1, -1), v.expand(len(ids), -1, -1, -1), layer)
-        loss = loss_of(i, sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=cache))
+        logp = sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=_cache(leaves, len(ids)))
+        loss = loss_of(i, logp)
         loss.backward()
         losses.append(loss.item())
-    torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])
+    if kv:
+        torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])
     return losses

@@ -104,7 +104,8 @@ def fake_trajs(n=4, seed=1):
     return out
 
 
-ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.1, max_grad_norm=1.0)
+ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.1, max_grad_norm=1.0,
+                      grad_checkpointing="off")
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
@@ -158,6 +159,31 @@ def test_masked_tokens_get_zero_gradient_through_the_model():
     l2, g2 = loss_and_grads(pad_id=61)
     assert l1 == pytest.approx(l2, abs=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_shared_system_prompt_gives_the_same_update(mini_batches):
+    """Rollouts of one step share their system prompt: run once (grad_checkpointing off) or per
+    sequence (on), the stats and the updated weights are the same."""
+    prompt = torch.randint(3, 64, (4,), generator=torch.Generator().manual_seed(5)).tolist()
+    trajs = fake_trajs()
+    for t in trajs:
+        t.token_ids[:4] = prompt                         # mask 0 there: shared_prefix_len = 4
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    runs = {}
+    for ckpt in ["off", "on"]:                           # "on" only picks the per-sequence pass here
+        model = tiny_lora_model()
+        for p in model.parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)   # update = gradient
+        args = SimpleNamespace(**{**vars(ARGS), "grad_checkpointing": ckpt, "mini_batches": mini_batches})
+        runs[ckpt] = grpo_update(model, opt, trajs, adv, args, pad_id=2), [p.detach().clone() for p in model.parameters()]
+    (st_on, w_on), (st_off, w_off) = runs["on"], runs["off"]
+    print(st_on, st_off)
+    assert st_on["tokens"] == st_off["tokens"] and st_on["kl_sum"] == pytest.approx(st_off["kl_sum"], rel=1e-4)
+    assert st_on["grad_norm"] == pytest.approx(st_off["grad_norm"], rel=1e-4) and st_on["grad_norm"] > 0
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w_on, w_off))
 
 
 def test_mini_batches_make_ratio_depart_from_one():
