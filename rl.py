@@ -30,11 +30,10 @@ Differences from the paper (and its official code):
 - CPU preset (chosen automatically when there is no GPU; the GPU defaults are the paper's
   32 tasks x 8 rollouts, 30 turns, all tiers): 8 steps of 2 tasks x 4 rollouts, at most 6 agent
   turns of 96 new tokens, 3072-token context, easy tier only, a checkpoint every step. Same
-  algorithm, tiny numbers: on 2 cores a step costs ~1 min, plus an estimated ~1.5 min per group
-  with reward variance (see CPU_PRESET), so the CPU run shows the loop working, not a learning
-  curve. Easy tasks only because a group teaches something only if some but not all of its
-  rollouts succeed, and a briefly fine-tuned 135M model has its best odds where the opening
-  carries every id.
+  algorithm, tiny numbers: on 2 cores a step's rollouts cost ~1 min, and each group with reward
+  variance ~45 s of training (see CPU_PRESET), so the CPU run shows the loop working, not a
+  learning curve. Easy tasks only because a group teaches something only if some but not all of
+  its rollouts succeed, and the CPU SFT adapter (trained on the easy tier) solves some of them.
   Raise --steps/--tasks/--tiers when you have time.
 - One optimizer step per batch of rollouts by default (--mini-batches 1); then the old
   policy equals the policy, so old log-probs are the detached policy log-probs (no
@@ -59,11 +58,11 @@ import torch
 GPU_DEFAULTS = dict(steps=100, tasks=32, group_size=8, max_turns=30, max_new_tokens=256,
                     max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10,
                     grad_checkpointing="on")
-# CPU (2 cores, fp32, 135M), quiet machine. Measured: rolling out 2 tasks x 4 (6 rounds of <= 96 tokens)
-# takes ~60 s a step; 8 steps from the SFT adapter took 8.4 min, no group ever having reward variance.
-# Estimated, not yet measured: a group with signal adds ~4 x 20 s of training (2.6k-token trajectories
-# at the ~165 tok/s SFT measured with checkpointing, plus the reference pass). The oracle needs 4-7 turns
-# on easy/medium tasks, hence 6 turns. Two groups a step: more chances of a group with reward variance.
+# CPU (2 cores, fp32, 135M), quiet machine, from the CPU SFT adapter. Measured: rolling out 2 tasks x 4
+# (6 rounds of <= 96 tokens) takes 62-70 s a step; a group with reward variance adds ~40-55 s of training
+# with the system prompt run once per pass (~120 s with activation checkpointing and a pass per
+# sequence). The oracle needs 4-7 turns on easy/medium tasks, hence 6 turns. Two groups a step: more
+# chances of a group with reward variance.
 CPU_PRESET = dict(steps=8, tasks=2, group_size=4, max_turns=6, max_new_tokens=96,
                   max_context=3072, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, grad_checkpointing="off")
 SMOKE = dict(steps=2, tasks=1, group_size=2, max_turns=1, max_new_tokens=8,
