@@ -515,7 +515,7 @@ def bench(args):
     print(f"{len(rows)} conversations, {sum(len(r['token_ids']) for r in rows)} tokens ({n_tok} trained), "
           f"shared prefix {shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} tokens")
     for name, share, ckpt in [("prompt per conversation, activation checkpointing", "off", "on"),
-                              ("prompt per conversation", "off", "off"), ("prompt once per batch", "on", "off")]:
+                              ("prompt once per batch", "on", "off"), ("prompt per conversation", "off", "off")]:
         if ckpt == "on":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
