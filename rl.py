@@ -303,7 +303,7 @@ def main(argv=None):
         else:
             print(f"init: SFT adapter {init}")
             model = rollout.load_adapter(model, init, trainable=True)
-    if args.grad_checkpointing == "on":    # less activation memory, ~40% more compute, no shared prefix
+    if args.grad_checkpointing == "on":    # less activation memory, more compute, no shared prefix
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)

@@ -17,9 +17,9 @@ What it does
      gradient accumulation. Each batch holds one domain, whose system prompt (~1,760 of ~2,650
      tokens) goes through the model once per batch, not once per conversation: the gradient is
      exact (kernels.backward_with_shared_prefix), and activation checkpointing stays off. One
-     batch of 4 retail conversations, forward+backward on 2 cores: 35 s, vs 53 s with the prompt
-     run per conversation and 75 s with that plus checkpointing (--grad-checkpointing on: 6.2
-     instead of 9.8 GB peak); same loss to 5 digits (`python sft.py --bench` prints all three).
+     batch of 4 retail conversations, forward+backward on 2 cores: 36 s, vs 55 s with the prompt
+     run per conversation and 73 s with that plus checkpointing (--grad-checkpointing on: 5.9
+     instead of 9.1 GB peak); same loss to 5 digits (`python sft.py --bench` prints all three).
      Checkpoints (adapter, optimizer, scheduler, step, RNG) every --save-every steps; rerunning
      the same command resumes from the latest one. Final adapter: <out>/adapter (rl.py's --init).
 
@@ -44,7 +44,7 @@ Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
               Spread over all 12 scenarios (--tiers easy,medium,hard --tasks-per-scenario 4: 48
               conversations, 24 steps) the adapter learned the call format and the lookups but chose
               wrong writes, and solved 0 of 16 held-out easy episodes, as the base model; 40 easy ones
-              solved 2 of 16 (README). The easy tier is also what rl.py's CPU preset trains on.
+              solved 2 of 24 (README). The easy tier is also what rl.py's CPU preset trains on.
   epochs      2 -> gpu 2; cpu 1 (new tasks rather than repeats: more ids for the agent to copy).
   batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2 (1 x 2): with 40 conversations, 128 would
               be less than one step; more, smaller steps are what a short run needs.
@@ -124,7 +124,7 @@ def parse_args(argv=None):
     p.add_argument("--share-prefix", default="on", choices=["on", "off"],
                    help="run each domain's system prompt once per step, not once per conversation (exact)")
     p.add_argument("--grad-checkpointing", default="off", choices=["on", "off"],
-                   help="recompute activations in backward: less memory, ~30%% more compute; turns --share-prefix off")
+                   help="recompute activations in backward: less memory, slower (sft.py --bench); turns --share-prefix off")
     p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end (preset)")
     p.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
     # evaluation
