@@ -28,6 +28,11 @@ the weight `chunk` rows at a time, and recomputes each chunk's logits in the bac
 (chunk, V) logits (plus their gradient) exist at once and the full (N, V) logits never do.
 `sequence_logprobs(model, ...)` runs a causal LM body and then this path; sft.py and rl.py use it.
 
+Shared prefix. In a training batch every sequence starts with the same system prompt (two thirds of
+its tokens here). `backward_with_shared_prefix` runs that prefix once, with an exact gradient (the
+remainders backprop into detached copies of its keys/values, then one backward goes through the
+prefix); `logprobs_with_shared_prefix` is the no-grad version for reference/old-policy passes.
+
 Special values (tested):
   - a row whose logits are all -inf except the target: out = 0, gradient 0.
   - -inf at the target (finite elsewhere): out = -inf; the gradient of that row is finite
