@@ -30,9 +30,9 @@ Differences from the paper (and its official code):
 - CPU preset (chosen automatically when there is no GPU; the GPU defaults are the paper's
   32 tasks x 8 rollouts, 30 turns, all tiers): 8 steps of 2 tasks x 4 rollouts, at most 6 agent
   turns of 96 new tokens, 3072-token context, easy tier only, a checkpoint every step. Same
-  algorithm, tiny numbers: on 2 cores a step's rollouts cost ~1 min, and each group with reward
-  variance ~45 s of training (see CPU_PRESET), so the CPU run shows the loop working, not a
-  learning curve. Easy tasks only because a group teaches something only if some but not all of
+  algorithm, tiny numbers: on 2 cores a step's rollouts cost ~1 min, and training ~45-55 s when
+  one group has reward variance, ~60-70 s when both do (see CPU_PRESET), so the CPU run shows the
+  loop working, not a learning curve. Easy tasks only because a group teaches something only if some but not all of
   its rollouts succeed, and the CPU SFT adapter (trained on the easy tier) solves some of them.
   Raise --steps/--tasks/--tiers when you have time.
 - One optimizer step per batch of rollouts by default (--mini-batches 1); then the old
@@ -59,9 +59,9 @@ GPU_DEFAULTS = dict(steps=100, tasks=32, group_size=8, max_turns=30, max_new_tok
                     max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10,
                     grad_checkpointing="on")
 # CPU (2 cores, fp32, 135M), quiet machine, from the CPU SFT adapter. Measured: rolling out 2 tasks x 4
-# (6 rounds of <= 96 tokens) takes 62-70 s a step; a group with reward variance adds ~40-55 s of training
-# with the system prompt run once per pass (~120 s with activation checkpointing and a pass per
-# sequence). The oracle needs 4-7 turns on easy/medium tasks, hence 6 turns. Two groups a step: more
+# (6 rounds of <= 96 tokens) takes 60-69 s a step; training takes 44-54 s when one group has reward
+# variance and 59-71 s when both do, the system prompt run once per pass (105-120 s for one group with
+# activation checkpointing and a pass per sequence). The oracle needs 4-7 turns on easy/medium tasks, hence 6 turns. Two groups a step: more
 # chances of a group with reward variance.
 CPU_PRESET = dict(steps=8, tasks=2, group_size=4, max_turns=6, max_new_tokens=96,
                   max_context=3072, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, grad_checkpointing="off")
