@@ -76,8 +76,8 @@ from rollout import TextAgent
 
 
 # Sizes by machine. CPU (2 cores): a batch of 2 conversations of one domain (~2,600 tokens each, the
-# first ~1,760 the shared system prompt) took 17-24 s of LoRA forward+backward; 20 steps ran in
-# 7 min 4 s with loading. The docstring says why the CPU run spends its budget on the easy tier.
+# first ~1,760 the shared system prompt) took 17-24 s of LoRA forward+backward (the first step 31-35 s);
+# 20 steps ran in 7 min 4 s with loading. The docstring says why the CPU run spends its budget on the easy tier.
 ALL_TIERS = "easy,medium,hard"
 PRESETS = {
     "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,

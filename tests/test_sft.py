@@ -124,7 +124,7 @@ def test_batches_hold_one_domain_and_cover_each_epoch():
     assert per_epoch[0] != per_epoch[1]                           # reshuffled each epoch
     args = SimpleNamespace(epochs=3, batch_size=2, seed=0, max_steps=None)
     assert sft.total_steps(args, rows) == 21
-    assert [r["i"] for r in sft.batch_rows(rows, 8, 2, 0)] == [j for j in per_epoch[1][1]]
+    assert [r["i"] for r in sft.batch_rows(rows, 8, 2, 0)] == per_epoch[1][1]
 
 
 def test_shared_prefix_training_equals_plain_training(tmp_path):
