@@ -14,29 +14,16 @@ asks for authentication and confirmation, checked only through the outcome; the 
 status, insurance, seats, balances) as errors.
 """
 import hashlib
-import itertools
 import json
 import random
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+
+from databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, load_db, money
 
 DOMAINS = ("retail", "airline")
-TODAY = "2024-05-15"
-SPLIT_USERS = {"train": 100, "test": 40}     # users per split DB; tasks resample them, so n is unbounded
 REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}  # cancel
 
-# fact key -> lowercase words an agent would use to ask for it (the scripted user matches these)
-FACT_KEYWORDS = {
-    "email": ("email",), "name": ("name",), "zip": ("zip", "postal"), "address": ("address",),
-    "user_id": ("user id", "user_id", "account id", "member id", "customer id"),
-    "order_id": ("order id", "order number", "which order", "order_id"),
-    "reservation_id": ("reservation id", "reservation number", "which reservation", "reservation_id", "booking"),
-    "payment_method": ("payment", "pay", "card", "refund to", "charge"),
-    "item": ("which item", "which product", "item"), "option": ("size", "color", "option", "variant"),
-    "flight": ("which flight", "flight number", "time", "prefer"), "reason": ("reason", "why"),
-    "insurance": ("insurance",), "bags": ("bag", "luggage"), "passenger": ("passenger", "date of birth"),
-}
 
 
 @dataclass
@@ -124,18 +111,15 @@ def _get(table, key, what, status=None):
         raise ToolError(f"{what} {key} is {table[key]['status']}; only {status} {what}s allow this")
     return table[key]
 
-def _money(x):
-    return round(x + 0.0, 2)
-
 def _pay(db, record, pm_id, amount, dry_run=False):
     """Charge (amount > 0) or refund (amount < 0) the user's pm_id for a record (order or reservation).
     Gift cards and certificates must cover a charge. dry_run: only check."""
-    amount, pm = _money(amount), _get(db["users"][record["user_id"]]["payment_methods"], pm_id, "payment method")
+    amount, pm = money(amount), _get(db["users"][record["user_id"]]["payment_methods"], pm_id, "payment method")
     if "balance" in pm and amount > pm["balance"]:
         raise ToolError(f"{pm_id} balance {pm['balance']} is less than {amount}")
     if amount and not dry_run:
         if "balance" in pm:
-            pm["balance"] = _money(pm["balance"] - amount)
+            pm["balance"] = money(pm["balance"] - amount)
         record["payment_history"].append(
             {"type": "payment" if amount > 0 else "refund", "amount": abs(amount), "payment_method_id": pm_id})
     return pm
@@ -198,7 +182,7 @@ def _swap_items(db, order, item_ids, new_item_ids):
              for i, new in zip(_item_indices(order, item_ids), new_item_ids)]
     if any(v is None or v["item_id"] in item_ids or not v["available"] for _, v in swaps):
         raise ToolError("each new item must be another available variant of the same product")
-    return swaps, _money(sum(v["price"] - order["items"][i]["price"] for i, v in swaps))
+    return swaps, money(sum(v["price"] - order["items"][i]["price"] for i, v in swaps))
 
 @tool("retail", "Cancel a pending order.", write=True, order_id=S, reason={"type": "string", "enum": list(REASONS)})
 def cancel_pending_order(db, order_id, reason):
@@ -259,7 +243,7 @@ def modify_user_address(db, user_id, **address):
 
 
 # ----------------------------------------------------------------------------- airline tools
-BAG_FEE, INSURANCE_FEE, CABINS = 50, 30, ["economy", "business"]
+BAG_FEE = 50
 
 @tool("airline", "Get a reservation's flight, passengers, bags and payments.", reservation_id=S)
 def get_reservation_details(db, reservation_id):
@@ -380,119 +364,6 @@ POLICIES = {
 }
 
 
-# ----------------------------------------------------------------------------- databases (both splits in one pass)
-FIRST = "Emma Liam Olivia Noah Ava Mason Sofia Lucas Mia Ethan Yara Omar Chen Priya Diego Lena Ivan Aisha Nora".split()
-LAST = "Smith Garcia Kim Patel Nguyen Brown Lopez Rossi Cohen Silva Ito Novak Khan Moreau Berg Okafor Reyes".split()
-STREETS = "Oak St,Maple Ave,Pine Rd,Cedar Ln,Elm St,Lake Dr,Hill Rd,Park Ave".split(",")
-CITIES = [("Austin", "TX"), ("Denver", "CO"), ("Seattle", "WA"), ("Boston", "MA"), ("Chicago", "IL"), ("Miami", "FL")]
-PRODUCTS = {  # product id -> name, option 1, option 2: 3 x 2 = 6 variants each
-    "TEE": ("T-Shirt", ("color", "red blue black"), ("size", "S M")),
-    "HAT": ("Sun Hat", ("color", "beige navy olive"), ("size", "S L")),
-    "SHO": ("Running Shoes", ("color", "white grey red"), ("size", "9 10")),
-    "LMP": ("Desk Lamp", ("color", "black white silver"), ("bulb", "LED halogen")),
-    "BAG": ("Backpack", ("color", "green black blue"), ("size", "20L 30L")),
-    "MUG": ("Travel Mug", ("color", "steel red white"), ("size", "12oz 16oz")),
-}
-AIRPORTS = {"JFK": "New York", "LAX": "Los Angeles", "SFO": "San Francisco", "ORD": "Chicago", "SEA": "Seattle",
-            "MIA": "Miami"}
-ROUTES = [("JFK", "LAX"), ("JFK", "SFO"), ("ORD", "SEA"), ("LAX", "SEA"), ("MIA", "JFK"), ("SFO", "ORD")]
-DATES = [f"2024-05-{d}" for d in range(16, 26)]
-
-def _uid(used, make):
-    while (x := make()) in used:
-        pass
-    used.add(x)
-    return x
-
-def _address(rng):
-    city, state = rng.choice(CITIES)
-    return dict(address1=f"{rng.randint(1, 999)} {rng.choice(STREETS)}", city=city, state=state,
-                zip=str(rng.randint(10000, 99999)))
-
-def _user(rng, used, kinds):
-    first, last = rng.choice(FIRST), rng.choice(LAST)
-    uid = _uid(used, lambda: f"{first}_{last}_{rng.randint(1000, 9999)}".lower())
-    pms = [dict(id=_uid(used, lambda: f"{kind}_{rng.randint(1000, 9999)}"), type=kind,
-                **({"balance": float(rng.randint(300, 600))} if kind in ("gift_card", "certificate") else {}))
-           for kind in kinds]
-    return dict(user_id=uid, name=f"{first} {last}", email=f"{first}.{last}{uid[-4:]}@example.com".lower(),
-                address=_address(rng), payment_methods={pm["id"]: pm for pm in pms})
-
-def _catalog(rng):
-    products = {}
-    for pid, (name, (a1, v1), (a2, v2)) in PRODUCTS.items():
-        sold_out, cents = rng.randrange(6), [rng.randrange(1500, 9000) for _ in range(6)]
-        products[pid] = dict(product_id=pid, name=name, variants={    # prices never end in 0: "54.27" reads one way
-            f"{pid}{k + 1:03d}": dict(item_id=f"{pid}{k + 1:03d}", options={a1: x, a2: y},
-                                      price=(cents[k] + (cents[k] % 10 == 0)) / 100, available=k != sold_out)
-            for k, (x, y) in enumerate(itertools.product(v1.split(), v2.split()))})
-    return products
-
-def _retail_split(rng, used, products, n_users):
-    db = dict(users={}, orders={}, products=products)
-    for _ in range(n_users):
-        u = _user(rng, used, ["credit_card", "paypal", "gift_card"])
-        db["users"][u["user_id"]], u["orders"] = u, []
-        statuses = ["pending", "pending", "delivered", "delivered", rng.choice(["processed", "cancelled"])]
-        for status in rng.sample(statuses, 5):
-            oid = _uid(used, lambda: f"#W{rng.randint(1000000, 9999999)}")
-            items = [dict(item_id=v["item_id"], product_id=p["product_id"], name=p["name"], options=v["options"],
-                          price=v["price"]) for p in rng.sample(list(products.values()), rng.randint(1, 3))
-                     for v in [rng.choice(list(p["variants"].values()))]]
-            paid = dict(type="payment", amount=_money(sum(i["price"] for i in items)),
-                        payment_method_id=rng.choice(list(u["payment_methods"])[:2]))     # credit card or paypal
-            db["orders"][oid] = dict(order_id=oid, user_id=u["user_id"], status=status, address=u["address"],
-                                     items=items, payment_history=[paid])
-            u["orders"].append(oid)
-    return db
-
-def _flights(rng):
-    flights, used = {}, set()
-    for a, b in ROUTES + [(b, a) for a, b in ROUTES]:
-        for depart in sorted(rng.sample(["07:00", "10:30", "14:00", "18:45"], 2)):
-            fn, base = _uid(used, lambda: f"MU{rng.randint(100, 999)}"), rng.randint(90, 300)
-            flights[fn] = dict(flight_number=fn, origin=a, destination=b, depart=depart, dates={
-                d: dict(prices=dict(economy=base + rng.randint(0, 60), business=3 * base + rng.randint(0, 150)),
-                        seats=dict(economy=rng.randint(3, 30), business=rng.randint(2, 8))) for d in DATES})
-    return flights
-
-def _airline_split(rng, used, flights, n_users):
-    db = dict(users={}, reservations={}, flights=flights, airports=AIRPORTS)
-    for _ in range(n_users):
-        u = _user(rng, used, ["credit_card", "gift_card", "certificate"][:rng.randint(2, 3)])
-        u.update(dob=f"19{rng.randint(55, 99)}-0{rng.randint(1, 9)}-{rng.randint(10, 28)}", reservations=[],
-                 membership=rng.choice(["regular", "silver", "gold"]))
-        db["users"][u["user_id"]] = u
-        first, last = u["name"].split()
-        # one insured, one uninsured economy reservation, and a random third
-        for insured, cabin in [(True, "economy"), (False, "economy"), (rng.random() < 0.5, rng.choice(CABINS))]:
-            rid = _uid(used, lambda: "".join(rng.choices("ABCDEFGHJKLMNPQRSTUVWXYZ23456789", k=6)))
-            f, date = rng.choice(list(flights.values())), rng.choice(DATES[:-1])
-            companion = (rng.choice(FIRST), f"19{rng.randint(55, 99)}-11-0{rng.randint(1, 9)}")
-            pax = [dict(first_name=name, last_name=last, dob=dob)
-                   for name, dob in [(first, u["dob"]), companion][:rng.choice([1, 1, 2])]]
-            paid = float(len(pax) * (f["dates"][date]["prices"][cabin] + INSURANCE_FEE * insured))
-            db["reservations"][rid] = dict(
-                reservation_id=rid, user_id=u["user_id"], origin=f["origin"], destination=f["destination"],
-                flight_number=f["flight_number"], date=date, cabin=cabin, passengers=pax, insurance=insured,
-                total_baggages=rng.randint(0, 1), status="active",
-                payment_history=[dict(type="payment", amount=paid, payment_method_id=list(u["payment_methods"])[0])])
-            u["reservations"].append(rid)
-    return db
-
-@lru_cache(maxsize=4)
-def _db_json(domain, seed):
-    """Both splits' DBs as JSON text (cached): every load is an independent copy."""
-    rng, used = random.Random(f"{domain}-db-{seed}"), set()
-    shared = _catalog(rng) if domain == "retail" else _flights(rng)     # products/flights: both splits
-    make = _retail_split if domain == "retail" else _airline_split
-    return {split: json.dumps(make(rng, used, shared, n)) for split, n in SPLIT_USERS.items()}
-
-def load_db(domain, split, seed=0):
-    """A fresh copy of the database the split's tasks live in."""
-    return json.loads(_db_json(domain, seed)[split])
-
-
 # ----------------------------------------------------------------------------- scenarios and tasks
 SCENARIOS = {d: {} for d in DOMAINS}         # domain -> scenario name -> builder(rng, db) -> dict of task parts
 
@@ -577,7 +448,7 @@ def _refuse_cancel_delivered(rng, db):
 @scenario("retail", "move_and_cancel")
 def _move_and_cancel(rng, db):
     o, u, facts, gold = _retail(rng, db, "pending")
-    new, reason = _address(rng), rng.choice(list(REASONS))
+    new, reason = address(rng), rng.choice(list(REASONS))
     return dict(tier="hard", facts={**facts, "address": ", ".join(new.values()), "reason": reason},
                 opening="Hi, I moved recently. Please update my address, and I also want to cancel an order.",
                 gold=gold[:1] + [act("modify_user_address", user_id=u["user_id"], **new)] + gold[1:]
@@ -751,13 +622,8 @@ def main():
                     print(f"  {a.name}({json.dumps(a.arguments)[:80]})\n    -> {obs[:100]}...")
             print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle: reward {env.reward(t.required_outputs)}; "
                   f"doing nothing: {Env(t).reward([])}")
-        try:                                          # the system prompt (policy + tools), in tokens
-            import rollout
-            system = rollout.system_prompt(POLICIES[domain], tool_schemas(domain))
-            tokens = len(rollout.load_tokenizer()(system).input_ids)
-        except Exception as e:                        # no tokenizer here: say so rather than fail the tour
-            tokens = f"unavailable ({type(e).__name__}: {e})"
-        print(f"\nsystem prompt tokens ({domain}): {tokens}")
+        size = len(POLICIES[domain]) + len(json.dumps(tool_schemas(domain)))
+        print(f"\npolicy + tool schemas: {size} characters (`python rollout.py` prints the prompt's tokens)")
 
 
 if __name__ == "__main__":

@@ -142,38 +142,11 @@ def summarize(results: dict, n_boot: int = 1000, seed: int = 0) -> dict:
 
 # ----------------------------------------------------------------------------- agents
 
-class OpenAIAgent(rollout.TextAgent):
-    """Any OpenAI-compatible chat endpoint as the agent (a baseline), speaking our Hermes text format.
-
-    The conversation goes out as plain chat: the system prompt already lists the tools and the
-    <tool_call> format, and tool results become user turns wrapped in <tool_response> (as the
-    Qwen/Hermes template renders them), so any endpoint works, with or without a tools API."""
-
-    def __init__(self, tokenizer, model: str, base_url=None, api_key=None, temperature: float = 0.0,
-                 max_tokens: int = 512):
-        super().__init__(tokenizer)
-        import openai
-        self.openai, self.model, self.base_url = openai, model, base_url
-        self.temperature, self.max_tokens = temperature, max_tokens
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
-
-    def respond(self, task, messages):
-        chat = [{"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
-                if m["role"] == "tool" else {"role": m["role"], "content": m["content"]} for m in messages]
-        try:
-            out = self.client.chat.completions.create(model=self.model, messages=chat, temperature=self.temperature,
-                                                      max_tokens=self.max_tokens)
-        except (self.openai.APIConnectionError, self.openai.AuthenticationError, self.openai.NotFoundError) as e:
-            raise SystemExit(f"agent endpoint {self.base_url or 'api.openai.com'} model {self.model}: "
-                             f"{e.__class__.__name__}; start the server, fix --openai-base-url or set OPENAI_API_KEY")
-        return out.choices[0].message.content or ""
-
-
 def build_agent(spec: str, args):
     """(agent, tokenizer, label) for one --agents entry, or None when its adapter does not exist."""
     if spec.startswith("openai:"):
         tok = rollout.load_tokenizer(args.model or rollout.DEFAULT_MODEL)   # only to count tokens
-        return OpenAIAgent(tok, spec.split(":", 1)[1], args.openai_base_url, temperature=args.temperature), tok, spec
+        return rollout.OpenAIAgent(tok, spec.split(":", 1)[1], args.openai_base_url, temperature=args.temperature), tok, spec
     adapter = {"base": None, "sft": args.sft_adapter, "rl": args.rl_adapter}.get(spec, spec)
     if adapter is not None and not os.path.exists(os.path.join(adapter, "adapter_config.json")):
         print(f"skipping agent {spec!r}: no adapter at {adapter}")

@@ -277,6 +277,7 @@ def main(argv=None):
         return memory_check()
     import envs
     import rollout
+    import users
     from tqdm import tqdm
     if rollout.DEVICE == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -340,7 +341,7 @@ def main(argv=None):
                                          max_turns=args.max_turns, max_context=args.max_context,
                                          seed=args.seed * 1_000_003 + step, shaped=args.reward == "shaped",
                                          progress=False, **user_kw)
-        except rollout.UserSimulatorError as e:
+        except users.UserSimulatorError as e:
             sys.exit(str(e))
         if all(t.stop_reason == "error" for t in trajs):   # e.g. the user server went down mid-run
             sys.exit(f"every rollout failed: {trajs[0].stats.get('error')}")

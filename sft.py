@@ -71,6 +71,7 @@ import torch
 
 import envs
 import rollout
+import users
 from kernels import backward_with_shared_prefix, shared_prefix_len
 from rollout import TextAgent
 
@@ -127,10 +128,6 @@ def parse_args(argv=None):
                    help="recompute activations in backward: less memory, slower (sft.py --bench); turns --share-prefix off")
     p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end (preset)")
     p.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
-    # evaluation
-    p.add_argument("--eval-tasks", type=int, default=0, help="held-out test tasks per domain for base vs SFT pass^1 "
-                                                             "(0: skip; run eval.py instead)")
-    p.add_argument("--eval-trials", type=int, default=1, help="trials per eval task")
     args = p.parse_args(argv)
     preset = PRESETS["smoke" if args.smoke else "gpu" if rollout.DEVICE == "cuda" else "cpu"]
     for k, v in preset.items():
@@ -143,7 +140,7 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- the oracle agent
 
-# How the oracle asks for each fact; every phrase holds a word of envs.FACT_KEYWORDS[key], which is
+# How the oracle asks for each fact; every phrase holds a word of users.FACT_KEYWORDS[key], which is
 # what the scripted user listens for before it reveals that fact.
 QUESTIONS = {"email": "your email address", "name": "your full name", "zip": "your zip code",
              "user_id": "your user id", "order_id": "the order id", "reservation_id": "the reservation id",
@@ -231,11 +228,11 @@ class OracleAgent(TextAgent):
             first_write = upcoming[-1].name in writes and writes_done == 0
             missing = [k for k, v in task.hidden_facts.items()
                        if k not in IDENTITY_ALTERNATIVES and str(v).lower() not in heard
-                       and not any(w in asked for w in envs.FACT_KEYWORDS[k])
+                       and not any(w in asked for w in users.FACT_KEYWORDS[k])
                        and (any(_uses(v, a) for a in upcoming)
                             or (first_write and not any(_uses(v, a) for a in task.gold_actions)))]
             if missing:
-                q = [QUESTIONS.get(k, f"your {envs.FACT_KEYWORDS[k][0]}") for k in missing]
+                q = [QUESTIONS.get(k, f"your {users.FACT_KEYWORDS[k][0]}") for k in missing]
                 x = ", ".join(q[:-1]) + (" and " if len(q) > 1 else "") + q[-1]
                 return f"{opener} {rng.choice(self.ASK).format(x=x)}".strip()
             call = "<tool_call>\n" + json.dumps({"name": action.name, "arguments": action.arguments}) + "\n</tool_call>"
@@ -278,8 +275,7 @@ def _is_yes(text: str) -> bool:
 def make_agent(args, tokenizer):
     if args.teacher is None:
         return OracleAgent(tokenizer, seed=args.seed)
-    from eval import OpenAIAgent                # one OpenAI-endpoint agent for the whole project
-    return OpenAIAgent(tokenizer, args.teacher, base_url=args.teacher_base_url, temperature=0.0)
+    return rollout.OpenAIAgent(tokenizer, args.teacher, base_url=args.teacher_base_url, temperature=0.0)
 
 
 def openai_record(traj, tools) -> dict:
@@ -500,7 +496,7 @@ def train(args, model, tokenizer, rows: list[dict]):
 
 
 # may change on resume (the last two change speed and memory, not the numbers)
-RESUME_FREE = {"stop_after", "eval_tasks", "eval_trials", "save_every", "share_prefix", "grad_checkpointing"}
+RESUME_FREE = {"stop_after", "save_every", "share_prefix", "grad_checkpointing"}
 
 
 def bench(args):
@@ -574,32 +570,6 @@ def main(argv=None):
     model.save_pretrained(os.path.join(args.out, "adapter"))
     print(f"adapter -> {os.path.join(args.out, 'adapter')}; loss {metrics[0]['loss']:.3f} -> "
           f"{metrics[-1]['loss']:.3f}; {time.time() - t0:.0f} s total")
-    if args.eval_tasks:
-        evaluate_base_vs_sft(args, model, tokenizer)
-
-
-def evaluate_base_vs_sft(args, model, tokenizer):
-    """pass^1 on held-out test tasks with the adapter off (base) and on (SFT), with eval.py's settings
-    for this machine; overall and on the easy tier. Written to <out>/eval.json."""
-    import eval as ev
-    preset = ev.GPU_DEFAULTS if rollout.DEVICE == "cuda" else ev.CPU_PRESET
-    tasks = ev.test_tasks(args.domains.split(","), args.eval_tasks, ["easy", "medium", "hard"], args.seed)
-    kw = dict(trials=args.eval_trials, user=args.user, seed=args.seed, max_turns=preset["max_turns"],
-              max_context=preset["max_context"], max_new_tokens=preset["max_new_tokens"], recheck=0)
-    model.eval()
-    runs = {}
-    with model.disable_adapter():                      # same weights, LoRA off = the base model
-        runs["base"] = ev.evaluate(model, tokenizer, tasks, **kw)
-    runs["sft"] = ev.evaluate(model, tokenizer, tasks, **kw)
-    easy = sum(t.tier == "easy" for t in tasks)
-    table = {name: {"pass^1": r["overall"]["pass^k"][1],
-                    "pass^1_easy": r["per_tier"]["easy"]["pass^k"][1] if easy else None,
-                    "n_tasks": len(tasks), "n_easy": easy, "trials": args.eval_trials,
-                    "stop_reasons": r["stop_reasons"], "seconds": round(r["seconds"])} for name, r in runs.items()}
-    json.dump(table, open(os.path.join(args.out, "eval.json"), "w"), indent=1)
-    for name, row in table.items():
-        print(f"eval {name:4s}: pass^1 {row['pass^1']:.3f} (easy {row['pass^1_easy'] or 0:.3f}) on {len(tasks)} test "
-              f"tasks ({easy} easy) x {args.eval_trials} trials, {row['seconds']} s")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,24 @@
 """Masked per-token log-probs (Triton + PyTorch reference) and training passes that run a shared prefix
 once (kernels/logprobs.py, used by sft.py and rl.py); shared-prefix decoding (kernels/attention.py,
 used by rollout.ModelAgent)."""
-from .logprobs import (backward_with_shared_prefix, logprobs_torch, logprobs_with_shared_prefix,  # noqa: F401
+import logging
+import os
+
+
+class _NotTheHubKernels(logging.Filter):
+    """bitsandbytes (CPU with AVX512-BF16) probes the Hugging Face `kernels` package with
+    `from kernels import get_kernel`, finds this package of the same name, and logs "Failed to load CPU
+    gemm_4bit_forward from kernels-community: cannot import name 'get_kernel' from 'kernels' (<here>)".
+    It then falls back to its own CPU path, so the line is a false alarm: drop exactly that record
+    (an ImportError raised from this package) and let every other bitsandbytes message through."""
+
+    def filter(self, record):
+        exc = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        ours = isinstance(exc, ImportError) and os.path.dirname(exc.path or "") == os.path.dirname(__file__)
+        return not (ours and str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotTheHubKernels())
+
+from .logprobs import (backward_with_shared_prefix, logprobs_torch, logprobs_with_shared_prefix,  # noqa: E402,F401
                        masked_logprobs, masked_logprobs_chunked, sequence_logprobs, shared_prefix_len)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 import envs
+import users
 from envs import Env
 
 PER_SCENARIO = 3                                     # tasks per scenario and domain in the replay tests
@@ -275,7 +276,7 @@ def test_task_fields_fit_the_user_simulators():
     scenarios = {(t.domain, t.scenario, t.tier) for t in TASKS}
     assert len(scenarios) >= 9 and {tier for _, _, tier in scenarios} == {"easy", "medium", "hard"}
     for t in TASKS:
-        assert set(t.hidden_facts) <= set(envs.FACT_KEYWORDS) and "###STOP###" in t.instruction
+        assert set(t.hidden_facts) <= set(users.FACT_KEYWORDS) and "###STOP###" in t.instruction
         assert len(t.confirm_terms) == len(gold_writes(t)) and all(1 <= len(terms) <= 2 for terms in t.confirm_terms)
         for terms, write in zip(t.confirm_terms, gold_writes(t)):   # a correct confirmation can name every term
             assert all(term in json.dumps(write.arguments) for term in terms), (t.scenario, terms)

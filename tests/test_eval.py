@@ -2,8 +2,6 @@
 our Hermes -> python-call loop end to end), pass^k of the oracle agent, and the --smoke run."""
 import ast
 import json
-import math
-import os
 
 import pytest
 
@@ -241,7 +239,7 @@ def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
     server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        agent = ev.OpenAIAgent(tok, "fake-model", base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="k")
+        agent = rollout.OpenAIAgent(tok, "fake-model", base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="k")
         r = ev.evaluate(agent, tok, tasks[:1], trials=1, max_turns=2, progress=False, n_boot=10)
     finally:
         server.shutdown()

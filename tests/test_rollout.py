@@ -12,8 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import envs
 import rollout
-from rollout import (STOP, ChatFormat, ModelAgent, NoUser, ScriptedUser, TextAgent, make_user,
-                     parse_tool_calls, run_episodes)
+import users
+from rollout import ChatFormat, ModelAgent, TextAgent, parse_tool_calls, run_episodes
+from users import STOP, NoUser, ScriptedUser, make_user
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +302,7 @@ def oracle_script(task):
     """The gold conversation as text: ask for the facts, confirm each write with its terms, act, report."""
     script = []
     if task.hidden_facts:
-        script.append("Could you tell me your " + ", ".join(envs.FACT_KEYWORDS[k][0] for k in task.hidden_facts) + "?")
+        script.append("Could you tell me your " + ", ".join(users.FACT_KEYWORDS[k][0] for k in task.hidden_facts) + "?")
     writes = iter(task.confirm_terms)
     for a in task.gold_actions:
         if a.name in envs.WRITE_TOOLS[task.domain]:

@@ -17,6 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import envs
+import users
 import rollout
 import sft
 
@@ -162,7 +163,7 @@ def test_resume_continues_with_identical_state(tmp_path):
 
 
 def test_oracle_solves_tasks_of_every_scenario():
-    for key, words in envs.FACT_KEYWORDS.items():                 # its questions use the user's keywords
+    for key, words in users.FACT_KEYWORDS.items():                 # its questions use the user's keywords
         assert any(w in sft.QUESTIONS.get(key, words[0]) for w in words), key
     tok = rollout.load_tokenizer()
     agent = sft.OracleAgent(tok, seed=0)

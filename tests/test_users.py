@@ -7,7 +7,6 @@ Run:  pytest tests/test_users.py            # fault tests + LocalUser, a few sec
 import http.server
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,7 +18,8 @@ import urllib.request
 import pytest
 import torch
 
-import rollout as R
+import rollout
+import users as U
 
 TASK = types.SimpleNamespace(
     id="retail-train-00000", domain="retail",
@@ -96,7 +96,7 @@ class FakeServer:
 
 def user_for(url, **kw):
     kw = {"timeout": 2.0, "max_retries": 3, "backoff": 0.01, **kw}
-    return R.OpenAIUser(TASK, "sim-model", base_url=url, api_key="test-key", **kw)
+    return U.OpenAIUser(TASK, "sim-model", base_url=url, api_key="test-key", **kw)
 
 
 def free_port() -> int:
@@ -108,7 +108,7 @@ def free_port() -> int:
 # ---------------------------------------------------------------- prompt: what the simulator sees
 
 def test_roles_flipped_and_no_tools_in_simulator_chat():
-    chat = R.user_sim_messages(TASK, AGENT_VIEW)
+    chat = U.user_sim_messages(TASK, AGENT_VIEW)
     assert chat[0]["role"] == "system" and TASK.instruction in chat[0]["content"]
     assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert chat[2]["content"] == AGENT_VIEW[0]["content"]             # its own opening is "assistant"
@@ -126,7 +126,7 @@ def test_request_carries_flipped_chat_no_tools_and_counts_tokens():
     assert len(srv.requests) == 2 and srv.requests[0]["path"] == "/v1/chat/completions"
     body = srv.requests[1]["body"]
     assert "tools" not in body and body["model"] == "sim-model"
-    assert body["messages"] == R.user_sim_messages(TASK, AGENT_VIEW)
+    assert body["messages"] == U.user_sim_messages(TASK, AGENT_VIEW)
     assert [m["role"] for m in srv.requests[0]["body"]["messages"]] == ["system", "user"]
     assert srv.requests[0]["auth"] == "Bearer test-key"
     assert user.usage == {"prompt_tokens": 100, "completion_tokens": 14, "requests": 2, "retries": 0}
@@ -134,8 +134,8 @@ def test_request_carries_flipped_chat_no_tools_and_counts_tokens():
 
 def test_make_user_builds_openai_user():
     with FakeServer("ok") as srv:
-        user = R.make_user("openai:sim-model", TASK, seed=0, base_url=srv.url, api_key="k", timeout=2.0)
-        assert isinstance(user, R.OpenAIUser) and user.first_message() == "Yes, please cancel it."
+        user = U.make_user("openai:sim-model", TASK, seed=0, base_url=srv.url, api_key="k", timeout=2.0)
+        assert isinstance(user, U.OpenAIUser) and user.first_message() == "Yes, please cancel it."
     assert srv.requests[0]["body"]["model"] == "sim-model"
 
 
@@ -143,7 +143,7 @@ def test_base_url_and_key_from_environment(monkeypatch):
     with FakeServer("ok") as srv:
         monkeypatch.setenv("OPENAI_BASE_URL", srv.url)
         monkeypatch.setenv("OPENAI_API_KEY", "env-key")
-        assert R.OpenAIUser(TASK, "m", timeout=2.0).first_message() == "Yes, please cancel it."
+        assert U.OpenAIUser(TASK, "m", timeout=2.0).first_message() == "Yes, please cancel it."
     assert srv.requests[0]["auth"] == "Bearer env-key"
 
 
@@ -153,7 +153,7 @@ def test_server_down_gives_one_clear_error_after_retries():
     url = f"http://127.0.0.1:{free_port()}/v1"   # nothing listens there any more
     user = user_for(url, max_retries=2)
     t0 = time.time()
-    with pytest.raises(R.UserSimulatorError) as err:
+    with pytest.raises(U.UserSimulatorError) as err:
         user.first_message()
     msg = str(err.value)
     assert url in msg and "APIConnectionError" in msg and "3 attempt" in msg and "OPENAI_BASE_URL" in msg
@@ -174,7 +174,7 @@ def test_slow_server_times_out_then_retry_succeeds():
 def test_always_slow_server_raises_timeout_error():
     with FakeServer("slow") as srv:
         user = user_for(srv.url, timeout=0.2, max_retries=1)
-        with pytest.raises(R.UserSimulatorError, match="APITimeoutError"):
+        with pytest.raises(U.UserSimulatorError, match="APITimeoutError"):
             user.first_message()
     assert len(srv.requests) == 2
 
@@ -193,7 +193,7 @@ def test_transient_fault_then_success_is_retried_and_counted(fault):
 def test_persistent_fault_raises_after_max_retries(fault, name):
     with FakeServer(fault) as srv:
         user = user_for(srv.url, max_retries=2)
-        with pytest.raises(R.UserSimulatorError) as err:
+        with pytest.raises(U.UserSimulatorError) as err:
             user.first_message()
     assert len(srv.requests) == 3   # 1 try + 2 retries, then stop
     assert name in str(err.value) and srv.url in str(err.value)
@@ -203,7 +203,7 @@ def test_backoff_is_exponential():
     with FakeServer("500") as srv:
         user = user_for(srv.url, max_retries=3, backoff=0.1)
         t0 = time.time()
-        with pytest.raises(R.UserSimulatorError):
+        with pytest.raises(U.UserSimulatorError):
             user.first_message()
         elapsed = time.time() - t0
     assert 0.7 <= elapsed < 2.0   # sleeps 0.1 + 0.2 + 0.4 between the 4 attempts
@@ -212,7 +212,7 @@ def test_backoff_is_exponential():
 def test_auth_error_is_not_retried():
     with FakeServer("401") as srv:
         user = user_for(srv.url, max_retries=3)
-        with pytest.raises(R.UserSimulatorError, match="AuthenticationError"):
+        with pytest.raises(U.UserSimulatorError, match="AuthenticationError"):
             user.first_message()
     assert len(srv.requests) == 1
 
@@ -221,14 +221,14 @@ def test_auth_error_is_not_retried():
 
 def test_local_user_returns_text_and_never_sees_tools():
     from transformers import LlamaConfig, LlamaForCausalLM
-    tok = R.load_tokenizer()
+    tok = rollout.load_tokenizer()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=1024)).eval()
     seen, generate = [], model.generate
     model.generate = lambda ids, **kw: seen.append(ids) or generate(ids, **kw)   # record the prompt
-    user = R.LocalUser(TASK, model, tok, max_new_tokens=8)
+    user = U.LocalUser(TASK, model, tok, max_new_tokens=8)
     first, second = user.first_message(), user.reply(AGENT_VIEW)
     assert isinstance(first, str) and isinstance(second, str)
     prompt = tok.decode(seen[1][0])
@@ -261,7 +261,7 @@ def test_openai_user_against_llama_cpp_server(tmp_path):
             except OSError:
                 assert time.time() < deadline, "llama.cpp server not ready after 120 s"
                 time.sleep(0.5)
-        user = R.OpenAIUser(TASK, "smollm2", base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+        user = U.OpenAIUser(TASK, "smollm2", base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                             timeout=120.0, max_retries=1, max_tokens=48)
         first = user.first_message()
         messages = [{"role": "user", "content": first},

@@ -1,0 +1,250 @@
+"""users.py: the simulated users the agent talks to, the world side of the loop (as envs.py is).
+
+A user gets its task (instruction, opening, hidden facts) and the agent's visible text, never the tools,
+the policy or the DB. One interface, User.first_message() / User.reply(messages), four implementations:
+  ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user)
+  OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
+  LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
+  NoUser        ablation: the whole instruction up front, no user turns
+rollout.run_episodes asks them for replies; imports nothing of ours.
+"""
+import contextlib
+import os
+import random
+import re
+import time
+
+# fact key -> lowercase words an agent would use to ask for it (the scripted user matches these)
+FACT_KEYWORDS = {
+    "email": ("email",), "name": ("name",), "zip": ("zip", "postal"), "address": ("address",),
+    "user_id": ("user id", "user_id", "account id", "member id", "customer id"),
+    "order_id": ("order id", "order number", "which order", "order_id"),
+    "reservation_id": ("reservation id", "reservation number", "which reservation", "reservation_id", "booking"),
+    "payment_method": ("payment", "pay", "card", "refund to", "charge"),
+    "item": ("which item", "which product", "item"), "option": ("size", "color", "option", "variant"),
+    "flight": ("which flight", "flight number", "time", "prefer"), "reason": ("reason", "why"),
+    "insurance": ("insurance",), "bags": ("bag", "luggage"), "passenger": ("passenger", "date of birth"),
+}
+
+STOP = "###STOP###"
+
+
+class User:
+    """A user sees its task (instruction, facts) and the conversation, never the tools or the DB.
+    reply() gets the agent's view of the conversation without the system message; a reply holding
+    ###STOP### ends the episode. ends_on_text: the episode ends at the agent's first text-only turn."""
+    ends_on_text = False
+
+    def __init__(self, task):
+        self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
+
+    def first_message(self) -> str: raise NotImplementedError               # noqa: E704
+    def reply(self, messages: list[dict]) -> str: raise NotImplementedError  # noqa: E301, E704
+
+
+_ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"
+                           r"is this correct|do you want|would you like me|ok to|okay to)\b", re.I)
+_REFUSES = re.compile(r"\b(cannot|can't|can not|unable|not able|not possible|not allowed|not eligible|"
+                      r"against (our|the) policy)\b", re.I)
+
+
+class ScriptedUser(User):
+    """Deterministic (given seed) rule-based user, the CPU default. Opens with task.opening; reveals
+    hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key]; asked to
+    confirm, says yes only if every term of a not-yet-confirmed confirm_terms entry is in the message,
+    else no (restating its goal); stops when all writes are confirmed and the agent reports back, or
+    (tasks without writes) once every required output was said or the agent refused; patience: max replies."""
+
+    GREET = ("", "Hi! ", "Hello. ", "Hey there, ", "Good morning. ")
+    YES = ("Yes, please go ahead.", "Yes, that's right, please proceed.", "Correct, go ahead.", "Yes.")
+    NO = ("No, that's not what I want.", "No, that's not right.", "No, please don't do that.")
+    THANKS = ("Great, thank you, that's all.", "Perfect, thanks for your help!", "Thanks, that's everything.")
+    NUDGE = ("Can you help me with that?", "What do you need from me?", "Could you take care of it?")
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task)
+        self.keywords, self.rng, self.patience, self.replies = FACT_KEYWORDS, random.Random(seed), patience, 0
+        self.confirmed = [False] * len(task.confirm_terms)
+
+    def first_message(self) -> str:
+        greet = self.rng.choice(self.GREET)                # openings that already greet get no second hello
+        return self.task.opening if re.match(r"(hi|hello|hey)\b", self.task.opening, re.I) else greet + self.task.opening
+
+    def reply(self, messages: list[dict]) -> str:
+        self.replies += 1
+        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
+        low = (last := said[-1] if said else "").lower()
+        if self.replies > self.patience:
+            return f"This is taking too long, I'll try again later. {STOP}"
+        if all(self.confirmed) and self.confirmed:        # all writes approved: the agent reported back
+            return f"{self.rng.choice(self.THANKS)} {STOP}"
+        asked = [k for k, words in self.keywords.items()
+                 if k in self.task.hidden_facts and any(re.search(r"\b" + re.escape(w), low) for w in words)]
+        if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
+            outs = self.task.required_outputs
+            if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
+                return f"{self.rng.choice(self.THANKS)} {STOP}"
+        parts = facts = [f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}." for k in asked]
+        if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:
+            match = next((i for i, terms in enumerate(self.task.confirm_terms) if not self.confirmed[i]
+                          and all(t.lower() in low for t in terms)), None)
+            if match is not None:
+                self.confirmed[match] = True
+                parts = [self.rng.choice(self.YES)] + facts
+            else:                                        # wrong or incomplete action: refuse, restate
+                parts = [self.rng.choice(self.NO)] + facts + [self.task.opening]
+        return " ".join(parts or [self.rng.choice(self.NUDGE)] + [self.task.opening] * (self.rng.random() < 0.5))
+
+
+class NoUser(User):
+    """Ablation "none": the whole instruction and every fact up front, no user turns after that."""
+    ends_on_text = True
+
+    def first_message(self) -> str:
+        facts = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in self.task.hidden_facts.items())
+        return f"{self.task.instruction}\nEverything you may need: {facts}" if facts else self.task.instruction
+
+    def reply(self, messages: list[dict]) -> str:
+        return STOP
+
+
+# ---- LLM users: OpenAIUser, LocalUser. Both play the customer from task.instruction alone, never
+# seeing the tools, the policy or the DB.
+# Their chat is the agent's conversation with roles flipped: the agent's visible text (tool-call
+# tags and tool turns removed) becomes "user" turns, the simulator's own messages "assistant" turns.
+
+USER_SIM_PROMPT = """You are playing a customer who writes to a customer-service agent. Stay in character.
+
+Your instruction:
+{instruction}
+
+Rules:
+- Write one short message at a time, the way a person types in a chat.
+- Give only the information the agent needs for the current step; reveal the facts above only when asked.
+- Never invent facts that are not in your instruction. If asked for something you do not know, say so.
+- Say yes to an action only if it is exactly what your instruction wants.
+- When your goal is reached (or cannot be reached), reply with ###STOP### and nothing else."""
+AGENT_GREETING = "Hi! How can I help you today?"   # opens the simulator's chat, so it starts with a "user" turn
+
+
+def visible_text(text: str) -> str:
+    """What a user sees of an agent message: the text without <tool_call>...</tool_call> (closed or not)."""
+    return re.sub(r"<tool_call>.*?(</tool_call>|\Z)", "", text or "", flags=re.S).strip()
+
+
+def user_sim_messages(task, messages: list[dict]) -> list[dict]:
+    """The simulator's chat for `messages` (the agent's view): its system prompt, then roles flipped."""
+    chat = [{"role": "system", "content": USER_SIM_PROMPT.format(instruction=task.instruction)},
+            {"role": "user", "content": AGENT_GREETING}]
+    for m in messages:
+        if m["role"] == "user":
+            role, text = "assistant", m["content"]
+        elif m["role"] == "assistant":
+            role, text = "user", visible_text(m.get("content"))
+        else:
+            continue   # system and tool turns: the simulator never sees them
+        if not text:
+            continue   # an agent turn that was only a tool call
+        if chat[-1]["role"] == role:   # agent text, tool call, agent text: one turn for the simulator
+            chat[-1] = {"role": role, "content": chat[-1]["content"] + "\n" + text}
+        else:
+            chat.append({"role": role, "content": text})
+    return chat
+
+
+class UserSimulatorError(RuntimeError):
+    """The LLM user simulator gave no usable reply, even after retries."""
+
+
+class LLMUser(User):
+    """A user simulator that writes each message with an LLM: _complete(the agent's view) -> text."""
+
+    def first_message(self) -> str:
+        return self._complete([])
+
+    def reply(self, messages: list[dict]) -> str:
+        return self._complete(messages)
+
+
+class OpenAIUser(LLMUser):
+    """User simulator behind any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp).
+    base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. Retries, sleeping backoff * 2**k s,
+    on 408/409/429/5xx, timeouts, refused connections and bodies that are not a chat completion; other
+    HTTP errors (401 bad key, 404 unknown model) fail at once. usage also counts requests and retries."""
+    RETRY_STATUS = (408, 409, 429)
+
+    def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=4,
+                 temperature=0.0, max_tokens=256, backoff=1.0):
+        super().__init__(task)
+        import openai
+        self.model, self.max_retries, self.backoff = model, max_retries, backoff
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.client = openai.OpenAI(base_url=base_url or os.environ.get("OPENAI_BASE_URL"),
+                                    api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none",  # local servers ignore it
+                                    timeout=timeout, max_retries=0)   # retries: our own loop below
+        self.usage.update(requests=0, retries=0)
+
+    def _complete(self, messages: list[dict]) -> str:
+        import openai
+        chat, last, attempts = user_sim_messages(self.task, messages), None, 0
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.usage["retries"] += 1
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            attempts += 1
+            self.usage["requests"] += 1
+            try:
+                r = self.client.chat.completions.create(model=self.model, messages=chat,
+                                                        temperature=self.temperature, max_tokens=self.max_tokens)
+                choice = (getattr(r, "choices", None) or [None])[0]   # a non-JSON body can come back as a str
+                text = getattr(getattr(choice, "message", None), "content", None)
+                if not isinstance(text, str):
+                    raise ValueError(f"no message text in the response: {str(r)[:100]!r}")
+            except openai.APIStatusError as e:
+                last = e
+                if e.status_code not in self.RETRY_STATUS and e.status_code < 500:
+                    break   # wrong key, model or URL: retrying cannot help
+            except (openai.APIConnectionError, openai.APIResponseValidationError, ValueError) as e:
+                last = e    # down, timed out, or garbage (JSONDecodeError is a ValueError)
+            else:
+                self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
+                self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
+                return text.strip()
+        raise UserSimulatorError(
+            f"user simulator {self.model!r} at {self.client.base_url} failed after {attempts} attempt(s): "
+            f"{type(last).__name__}: {str(last)[:200]}. Check that the server is up and serves this model "
+            f"(OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
+
+
+class LocalUser(LLMUser):
+    """User simulator played by a Hugging Face causal LM in this process (greedy, short replies).
+    Given the policy itself (a peft model), the base model plays the user: the LoRA adapter is switched off."""
+
+    def __init__(self, task, model, tokenizer, max_new_tokens=64):
+        super().__init__(task)
+        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+
+    def _complete(self, messages: list[dict]) -> str:
+        import torch
+        tok = self.tokenizer
+        text = tok.apply_chat_template(user_sim_messages(self.task, messages), add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device=self.model.device)  # (1, T)
+        with torch.no_grad(), getattr(self.model, "disable_adapter", contextlib.nullcontext)():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=self.max_new_tokens, pad_token_id=tok.eos_token_id)
+        self.usage["prompt_tokens"] += ids.shape[1]
+        self.usage["completion_tokens"] += out.shape[1] - ids.shape[1]
+        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def make_user(spec: str, task, seed: int = 0, **kw) -> User:
+    """spec: "scripted" | "none" | "local" | "openai:MODEL"."""
+    if spec == "scripted":
+        return ScriptedUser(task, seed)
+    if spec == "none":
+        return NoUser(task)
+    if spec == "local":
+        return LocalUser(task, **kw)
+    if spec.startswith("openai:"):
+        return OpenAIUser(task, spec.split(":", 1)[1], **kw)
+    raise SystemExit(f"unknown user simulator {spec!r}: use scripted, none, local or openai:MODEL")
