@@ -48,7 +48,7 @@ class Task:
     hidden_facts: dict             # FACT_KEYWORDS key -> value the user reveals when asked
     gold_actions: list             # the oracle's lookups and writes, in order
     required_outputs: list         # strings some assistant message must contain
-    confirm_terms: list            # per gold write: the strings its confirmation request must mention
+    confirm_terms: list            # per gold write: {fact key: value (or [alternatives]) its confirmation must name}
     seed: int = 0                  # the DB seed: load_db(domain, split, seed)
 
 
@@ -391,7 +391,7 @@ def _airline(rng, db, pred=lambda r: True):
 def _cancel_order(rng, db):
     o, u, facts, gold = _retail(rng, db, "pending")
     oid, reason = o["order_id"], rng.choice(list(REASONS))
-    return dict(tier="easy", facts={**facts, "reason": reason}, confirm=[[oid]],
+    return dict(tier="easy", facts={**facts, "reason": reason}, confirm=[{"order_id": oid, "reason": reason}],
                 opening=f"Hi, I'm {u['name']}, email {u['email']}. Please cancel my order {oid}, {REASONS[reason]}.",
                 gold=gold + [act("cancel_pending_order", order_id=oid, reason=reason)])
 
@@ -399,7 +399,7 @@ def _cancel_order(rng, db):
 def _change_order_payment(rng, db):
     o, u, facts, gold = _retail(rng, db, "pending")
     gift = next(k for k, m in u["payment_methods"].items() if m["type"] == "gift_card")
-    return dict(tier="medium", facts={**facts, "payment_method": gift}, confirm=[[o["order_id"], gift]],
+    return dict(tier="medium", facts={**facts, "payment_method": gift}, confirm=[{"order_id": o["order_id"], "payment_method": gift}],
                 opening="Hello, I'd like to pay for one of my orders with my gift card instead.",
                 gold=gold + [act("modify_pending_order_payment", order_id=o["order_id"], payment_method_id=gift)])
 
@@ -409,7 +409,8 @@ def _return_item(rng, db):
     item, paid_with = rng.choice(o["items"]), o["payment_history"][0]["payment_method_id"]
     return dict(tier="medium", facts={**facts, "item": item["name"], "payment_method": f"the original, {paid_with}"},
                 opening=f"Hi, I want to return the {item['name']} I received.",
-                confirm=[[o["order_id"], item["item_id"]]],
+                confirm=[{"order_id": o["order_id"], "item": [item["item_id"], item["name"]],
+                          "payment_method": paid_with}],
                 gold=gold + [act("return_delivered_order_items", order_id=o["order_id"], item_ids=[item["item_id"]],
                                  payment_method_id=paid_with)])
 
@@ -430,7 +431,8 @@ def _exchange_item(rng, db):
                 gold=gold + [act("get_product_details", product_id=item["product_id"]),
                              act("exchange_delivered_order_items", order_id=o["order_id"], item_ids=[item["item_id"]],
                                  new_item_ids=[new["item_id"]], payment_method_id=paid_with)],
-                confirm=[[o["order_id"], new["item_id"]]])
+                confirm=[{"order_id": o["order_id"], "option": [new["item_id"], f"{axis} {value}"],
+                          "payment_method": paid_with}])
 
 @scenario("retail", "order_status_total")
 def _order_status_total(rng, db):
@@ -453,14 +455,15 @@ def _move_and_cancel(rng, db):
                 opening="Hi, I moved recently. Please update my address, and I also want to cancel an order.",
                 gold=gold[:1] + [act("modify_user_address", user_id=u["user_id"], **new)] + gold[1:]
                 + [act("cancel_pending_order", order_id=o["order_id"], reason=reason)],
-                confirm=[[new["address1"]], [o["order_id"]]])
+                confirm=[{"address": new["address1"]}, {"order_id": o["order_id"], "reason": reason}])
 
 @scenario("airline", "add_bags")
 def _add_bags(rng, db):
     r, u, card, facts, gold = _airline(rng, db)
     k, rid = rng.randint(1, 2), r["reservation_id"]
-    return dict(tier="easy", facts={**facts, "bags": f"{k} more", "payment_method": card}, confirm=[[rid]],
-                opening=f"Hi, I'm {u['name']}, user id {u['user_id']}. Please add {k} checked bag{'s' * (k > 1)} "
+    return dict(tier="easy", facts={**facts, "bags": f"{k} more", "payment_method": card},
+                confirm=[{"reservation_id": rid, "bags": str(r["total_baggages"] + k), "payment_method": card}],
+                opening=f"Hi, I'm {u['name']}, user id {u['user_id']}. Please add {k} more checked bag{'s' * (k > 1)} "
                         f"to reservation {rid}, paid with my credit card {card}.",
                 gold=gold + [act("update_reservation_baggages", reservation_id=rid,
                                  total_baggages=r["total_baggages"] + k, payment_method_id=card)])
@@ -471,7 +474,7 @@ def _cancel_trip(rng, db):
     return dict(tier="medium", facts={**facts, "reason": rng.choice(["change of plans", "I am sick"])},
                 opening=f"Hi, I need to cancel my trip from {AIRPORTS[r['origin']]} on {r['date']}.",
                 gold=gold + [act("cancel_reservation", reservation_id=r["reservation_id"])],
-                confirm=[[r["reservation_id"]]])
+                confirm=[{"reservation_id": r["reservation_id"]}])
 
 @scenario("airline", "change_flight_date")
 def _change_flight_date(rng, db):
@@ -482,7 +485,7 @@ def _change_flight_date(rng, db):
     rid, fn, day = r["reservation_id"], r["flight_number"], rng.choice(days(r))
     return dict(tier="medium", facts={**facts, "flight": f"the same flight, {fn}", "payment_method": card},
                 opening=f"Hi, can I move my flight from {AIRPORTS[r['origin']]} to {AIRPORTS[r['destination']]} "
-                        f"to {day}? Same flight, just another day.", confirm=[[rid, day]],
+                        f"to {day}? Same flight, just another day.", confirm=[{"reservation_id": rid, "date": day, "payment_method": card}],
                 gold=gold + [act("search_direct_flight", origin=r["origin"], destination=r["destination"], date=day),
                              act("update_reservation_flights", reservation_id=rid, flight_number=fn, date=day,
                                  payment_method_id=card)])
@@ -497,7 +500,7 @@ def _book_flight(rng, db):
                                       "insurance": "yes" if insurance else "no", "bags": f"{bags} checked bags",
                                       "payment_method": card, "passenger": f"just me, born {u['dob']}"},
                 opening=f"Hi, I want to book a one-way {cabin} flight from {AIRPORTS[o]} ({o}) to {AIRPORTS[d]} ({d}) "
-                        f"on {day}, just for me.", confirm=[[f["flight_number"]]],
+                        f"on {day}, just for me.", confirm=[{"flight": f["flight_number"], "date": day, "bags": str(bags), "payment_method": card}],
                 gold=gold[:1] + [act("search_direct_flight", origin=o, destination=d, date=day),
                                  act("book_reservation", user_id=u["user_id"], flight_number=f["flight_number"],
                                      date=day, cabin=cabin, payment_method_id=card, insurance=insurance,

@@ -57,11 +57,11 @@ Simplifications: template phrasing for the oracle (the paper synthesized with LL
 user stands in for GPT-4o; no sequence packing (micro-batches are right-padded; micro-batch 1 on CPU).
 """
 import argparse
-import hashlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -166,56 +166,50 @@ def _uses(fact: str, action) -> bool:
     return any(a == v or (len(a) >= 4 and a in v) or (len(v) >= 4 and v in a) for a in _flat(action.arguments))
 
 
-def _describe(action) -> str:
-    """'cancel pending order (order id #W1234567, reason no longer needed)': names every argument,
-    so a confirmation request states ids, new values and the payment method, as the policies ask."""
-    def show(v):
+def _describe(action, task) -> str:
+    """'cancel pending order (order id #W1234567, reason no longer needed)': names every argument, so a
+    confirmation request states ids, new values and the payment method, as the policies ask. A new bag
+    total shows its sum ("total baggages 1 + 2 = 3"): the current count is in the reservation the
+    agent looked up, the added count in the user's request."""
+    def show(k, v):
         if isinstance(v, bool):
             return "yes" if v else "no"
         if isinstance(v, dict):
-            return " ".join(show(x) for x in v.values())
-        return ", ".join(show(x) for x in v) if isinstance(v, list) else str(v)
-    args = "; ".join(f"{k.replace('_', ' ')} {show(v)}" for k, v in action.arguments.items())
+            return " ".join(show(k, x) for x in v.values())
+        if isinstance(v, list):
+            return ", ".join(show(k, x) for x in v)
+        more = re.fullmatch(r"(\d+) more", task.hidden_facts.get("bags", ""))
+        return f"{v - int(more[1])} + {more[1]} = {v}" if k == "total_baggages" and more else str(v)
+    args = "; ".join(f"{k.replace('_', ' ')} {show(k, v)}" for k, v in action.arguments.items())
     return f"{action.name.replace('_', ' ')} ({args})"
 
 
+def _heard(value: str, heard: str) -> bool:
+    """Did the user say this fact? Its value, or for a cancel reason the user's own words for it."""
+    return str(value).lower() in heard or envs.REASONS.get(value, "\0").lower() in heard
+
+
 class OracleAgent(TextAgent):
-    """Follows task.gold_actions, talking like a careful human agent.
+    """Follows task.gold_actions in one short, fixed style (a 135M student copies a consistent
+    teacher more easily than a varied one).
 
     Stateless: where it is in the plan is read off the conversation (how many tool calls it has made,
-    which facts it has asked for or heard, whether the user just said yes to the pending write), so
-    one instance serves a whole batch. Plan: ask for the facts the next steps need (all at once),
-    look up, ask to confirm each write naming every argument, act on a yes, then report (or refuse,
-    saying why) and say goodbye. Phrasing comes from templates drawn with an RNG seeded by
-    (seed, the conversation so far): reproducible, and varied across tasks and user seeds.
+    which facts it has heard or asked for, whether the user just said yes to its confirmation request),
+    so one instance serves a whole batch. Plan: ask for the facts the next steps need (all in one
+    message), look up (a turn that is only the tool call), ask to confirm each write naming every
+    argument, make the call after a yes, then report what was done (or refuse, saying why).
     """
 
-    GREET = ["Thanks for reaching out!", "Hi, happy to help with that.", "Sure, I can help.", "Hello! Let's sort this out."]
-    ASK = ["Could you tell me {x}?", "Please share {x}.", "To look into this I'll need {x}.", "Can you give me {x}?"]
-    LOOK = ["Let me look that up.", "One moment while I check.", "Let me check our records.", "Checking now."]
-    ACK = ["Thanks.", "Got it.", "Okay, I have the details.", "Found it."]
-    CONFIRM = ["Here is what I will do: {what}. Shall I proceed (yes/no)?",
-               "To confirm, I'm about to {what}. Do you want me to proceed?",
-               "Please confirm: {what}. Should I go ahead?"]
-    ACT = ["Thank you, doing that now.", "Great, proceeding.", "Understood, making the change."]
-    DONE = ["All set: {what}.", "Done: {what}.", "That's complete: {what}."]
-    BYE = ["Is there anything else I can help with?", "Anything else I can do for you?", "Have a great day!"]
-
-    def __init__(self, tokenizer, seed: int = 0):
-        super().__init__(tokenizer)
-        self.seed = seed
+    def confirmation(self, task, action) -> str:
+        return f"Please confirm: {_describe(action, task)}. Yes or no?"
 
     def respond(self, task, messages: list[dict]) -> str:
-        seen = "|".join(m.get("content") or "" for m in messages[1:])
-        rng = random.Random(hashlib.md5(f"{self.seed}|{task.id}|{seen}".encode()).hexdigest())
         writes = envs.WRITE_TOOLS[task.domain]
         agent = [m for m in messages if m["role"] == "assistant"]
         heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
         asked = " ".join(m["content"] for m in agent).lower()
         n_calls = sum(bool(m.get("tool_calls")) for m in agent)
         writes_done = sum(m["tool_calls"][0]["name"] in writes for m in agent if m.get("tool_calls"))
-        opener = rng.choice(self.GREET) if not agent else rng.choice(self.ACK) if messages[-1]["role"] == "tool" else ""
-
         if n_calls < len(task.gold_actions):
             action = task.gold_actions[n_calls]
             # 1. facts the steps up to the next write need, and (before the first write) facts no call
@@ -227,42 +221,39 @@ class OracleAgent(TextAgent):
                     break
             first_write = upcoming[-1].name in writes and writes_done == 0
             missing = [k for k, v in task.hidden_facts.items()
-                       if k not in IDENTITY_ALTERNATIVES and str(v).lower() not in heard
+                       if k not in IDENTITY_ALTERNATIVES and not _heard(v, heard)
                        and not any(w in asked for w in users.FACT_KEYWORDS[k])
                        and (any(_uses(v, a) for a in upcoming)
                             or (first_write and not any(_uses(v, a) for a in task.gold_actions)))]
             if missing:
                 q = [QUESTIONS.get(k, f"your {users.FACT_KEYWORDS[k][0]}") for k in missing]
-                x = ", ".join(q[:-1]) + (" and " if len(q) > 1 else "") + q[-1]
-                return f"{opener} {rng.choice(self.ASK).format(x=x)}".strip()
+                return f"Please give me {', '.join(q[:-1]) + ' and ' * (len(q) > 1) + q[-1]}."
             call = "<tool_call>\n" + json.dumps({"name": action.name, "arguments": action.arguments}) + "\n</tool_call>"
             if action.name not in writes:
-                return f"{opener} {rng.choice(self.LOOK)}".strip() + "\n" + call
+                return call
             # 2. a write: ask to confirm (naming every argument, so every confirm term); act after a yes
-            terms = task.confirm_terms[writes_done]
-            requested = agent and not agent[-1].get("tool_calls") and all(t in agent[-1]["content"] for t in terms)
-            if requested and messages[-1]["role"] == "user" and _is_yes(messages[-1]["content"]):
-                return rng.choice(self.ACT) + "\n" + call
-            return f"{opener} {rng.choice(self.CONFIRM).format(what=_describe(action))}".strip()
-        # 3. every gold call made: report what was done / asked for, or refuse and say why; then goodbye
+            confirm = self.confirmation(task, action)
+            if agent and agent[-1]["content"] == confirm and _is_yes(messages[-1]["content"]):
+                return call
+            return confirm
+        # 3. every gold call made: report what was done, or refuse and say why
         if messages[-1]["role"] == "user":
-            return rng.choice(self.BYE)
-        return f"{opener} {self.report(task)} {rng.choice(self.BYE)}".strip()
+            return "Is there anything else I can help with?"
+        return self.report(task)
 
     @staticmethod
     def report(task) -> str:
         facts, out = task.hidden_facts, task.required_outputs
         if task.scenario == "refuse_cancel_delivered":
-            return (f"I'm sorry, but I can't cancel order {facts['order_id']}: it has already been {out[0]}, "
+            return (f"Sorry, I can't cancel order {facts['order_id']}: it is already {out[0]}, "
                     "and only pending orders can be cancelled.")
         if task.scenario == "refuse_cancel_uninsured":
-            return (f"I'm sorry, but I can't cancel reservation {facts['reservation_id']}: it is in economy without "
-                    f"travel {out[0]}, and only insured or business-cabin reservations can be cancelled.")
+            return (f"Sorry, I can't cancel reservation {facts['reservation_id']}: it is in economy without travel "
+                    f"{out[0]}, and only insured or business-cabin reservations can be cancelled.")
         if task.scenario == "order_status_total":
             return f"Order {facts['order_id']} is {out[0]} and its total is ${out[1]}."
-        done = [_describe(a) for a in task.gold_actions if a.name in envs.WRITE_TOOLS[task.domain]]
-        return random.Random(task.id).choice(OracleAgent.DONE).format(what="; ".join(done)) + \
-            (" " + ", ".join(out) + "." if out else "")
+        done = [_describe(a, task) for a in task.gold_actions if a.name in envs.WRITE_TOOLS[task.domain]]
+        return f"Done: {'; '.join(done)}." + (" " + ", ".join(out) + "." if out else "")
 
 
 def _is_yes(text: str) -> bool:
@@ -274,7 +265,7 @@ def _is_yes(text: str) -> bool:
 
 def make_agent(args, tokenizer):
     if args.teacher is None:
-        return OracleAgent(tokenizer, seed=args.seed)
+        return OracleAgent(tokenizer)
     return rollout.OpenAIAgent(tokenizer, args.teacher, base_url=args.teacher_base_url, temperature=0.0)
 
 
@@ -504,7 +495,7 @@ def bench(args):
     first, so the process's peak RSS after each way is that way's peak (on CPU)."""
     import resource
     model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
-    trajs = rollout.run_episodes(OracleAgent(tokenizer, args.seed), tokenizer, envs.make_tasks("retail", "train", 4))
+    trajs = rollout.run_episodes(OracleAgent(tokenizer), tokenizer, envs.make_tasks("retail", "train", 4))
     rows = [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "scenario": f"retail/{t.scenario}"} for t in trajs]
     model, n_tok = rollout.add_lora(model), sum(sum(r["loss_mask"]) for r in rows)
     model.train()

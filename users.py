@@ -46,20 +46,32 @@ _ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or
                            r"is this correct|do you want|would you like me|ok to|okay to)\b", re.I)
 _REFUSES = re.compile(r"\b(cannot|can't|can not|unable|not able|not possible|not allowed|not eligible|"
                       r"against (our|the) policy)\b", re.I)
+_REPORTS_DONE = re.compile(r"\b(done|complete|completed|all set|has been|have been|successfully|cancelled|canceled|"
+                           r"updated|added|changed|booked|processed|submitted)\b", re.I)
+
+
+def names(text: str, term) -> bool:
+    """Does text name term (a value, or a list of alternatives), as a whole word? ("3" is not in "13")"""
+    alts = term if isinstance(term, list) else [term]
+    return any(re.search(r"(?<![\w.])" + re.escape(str(a).lower()) + r"(?!\w)", text.lower()) for a in alts)
 
 
 class ScriptedUser(User):
     """Deterministic (given seed) rule-based user, the CPU default. Opens with task.opening; reveals
-    hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key]; asked to
-    confirm, says yes only if every term of a not-yet-confirmed confirm_terms entry is in the message,
-    else no (restating its goal); stops when all writes are confirmed and the agent reports back, or
-    (tasks without writes) once every required output was said or the agent refused; patience: max replies."""
+    hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key].
+    Asked to confirm a change, it says yes only if the message names every value that makes the next
+    write right (task.confirm_terms: the ids, and the reason, bag count, flight, item, option or payment
+    method that apply); otherwise it says no and corrects the values that were missing or wrong.
+    Once every write is confirmed it waits until the agent reports the change done (nudging it to go
+    ahead), then thanks and stops. Tasks without writes: it stops once every required output was said
+    or the agent refused. patience: at most this many replies, then it gives up."""
 
     GREET = ("", "Hi! ", "Hello. ", "Hey there, ", "Good morning. ")
     YES = ("Yes, please go ahead.", "Yes, that's right, please proceed.", "Correct, go ahead.", "Yes.")
-    NO = ("No, that's not what I want.", "No, that's not right.", "No, please don't do that.")
+    NO = ("No, that's not right.", "No, that's not what I want.", "No, please don't do that.")
     THANKS = ("Great, thank you, that's all.", "Perfect, thanks for your help!", "Thanks, that's everything.")
     NUDGE = ("Can you help me with that?", "What do you need from me?", "Could you take care of it?")
+    WAIT = ("Okay, please go ahead and make the change.", "Please do it now.", "Go ahead, please.")
 
     def __init__(self, task, seed: int = 0, patience: int = 10):
         super().__init__(task)
@@ -70,30 +82,43 @@ class ScriptedUser(User):
         greet = self.rng.choice(self.GREET)                # openings that already greet get no second hello
         return self.task.opening if re.match(r"(hi|hello|hey)\b", self.task.opening, re.I) else greet + self.task.opening
 
+    def _fact(self, key: str) -> str:
+        return f"My {key.replace('_', ' ')} is {self.task.hidden_facts[key]}."
+
+    def _confirm(self, text: str) -> list[str]:
+        """Answer a confirmation request: yes to the first unconfirmed write whose values it all names,
+        else no and the right values of the write it got closest to."""
+        pending = [i for i, ok in enumerate(self.confirmed) if not ok]
+        named = {i: [k for k, term in self.task.confirm_terms[i].items() if names(text, term)] for i in pending}
+        done = next((i for i in pending if len(named[i]) == len(self.task.confirm_terms[i])), None)
+        if done is not None:
+            self.confirmed[done] = True
+            return [self.rng.choice(self.YES)]
+        closest = max(pending, key=lambda i: len(named[i]))
+        wrong = [k for k in self.task.confirm_terms[closest] if k not in named[closest]]
+        fixes = [self._fact(k) for k in wrong if k in self.task.hidden_facts]
+        return [self.rng.choice(self.NO)] + fixes + [self.task.opening] * (len(fixes) < len(wrong))
+
     def reply(self, messages: list[dict]) -> str:
         self.replies += 1
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
         low = (last := said[-1] if said else "").lower()
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
-        if all(self.confirmed) and self.confirmed:        # all writes approved: the agent reported back
-            return f"{self.rng.choice(self.THANKS)} {STOP}"
+        if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
+            if _REPORTS_DONE.search(last) and not _ASKS_CONFIRM.search(last):
+                return f"{self.rng.choice(self.THANKS)} {STOP}"
+            return self.rng.choice(self.WAIT)
         asked = [k for k, words in self.keywords.items()
                  if k in self.task.hidden_facts and any(re.search(r"\b" + re.escape(w), low) for w in words)]
         if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
             outs = self.task.required_outputs
             if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
-        parts = facts = [f"My {k.replace('_', ' ')} is {self.task.hidden_facts[k]}." for k in asked]
-        if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:
-            match = next((i for i, terms in enumerate(self.task.confirm_terms) if not self.confirmed[i]
-                          and all(t.lower() in low for t in terms)), None)
-            if match is not None:
-                self.confirmed[match] = True
-                parts = [self.rng.choice(self.YES)] + facts
-            else:                                        # wrong or incomplete action: refuse, restate
-                parts = [self.rng.choice(self.NO)] + facts + [self.task.opening]
-        return " ".join(parts or [self.rng.choice(self.NUDGE)] + [self.task.opening] * (self.rng.random() < 0.5))
+        if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:   # answers the request, nothing more
+            return " ".join(self._confirm(last))
+        facts = [self._fact(k) for k in asked]
+        return " ".join(facts or [self.rng.choice(self.NUDGE)] + [self.task.opening] * (self.rng.random() < 0.5))
 
 
 class NoUser(User):

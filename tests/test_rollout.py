@@ -156,21 +156,42 @@ def test_parse_tool_calls(text, n_calls, error):
 
 # ----------------------------------------------------------------------------- users
 
-def test_scripted_user_reveals_only_what_is_asked_and_confirms_only_the_right_action():
-    task = next(t for t in tasks_by_scenario("retail") if len(t.confirm_terms) == 1 and len(t.confirm_terms[0]) == 2)
+def say(text):
+    return [{"role": "assistant", "content": text}]
+
+
+def test_scripted_user_reveals_only_what_is_asked_and_yes_needs_the_reason():
+    """cancel_order: a confirmation naming the order but the wrong reason gets a no and the right reason;
+    naming both gets a yes; the user then waits for the report and only then stops."""
+    task = next(t for t in tasks_by_scenario("retail") if t.scenario == "cancel_order")
+    oid, reason = task.confirm_terms[0]["order_id"], task.confirm_terms[0]["reason"]
+    wrong = next(r for r in envs.REASONS if r != reason)
     u = ScriptedUser(task, seed=3)
     assert task.opening in u.first_message()
-    a = lambda text: [{"role": "assistant", "content": text}]
-    r = u.reply(a("Could you give me your email?"))
-    assert task.hidden_facts["email"] in r and task.hidden_facts["order_id"] not in r
-    r = u.reply(a("Thanks. Which order id is it?"))
-    assert task.hidden_facts["order_id"] in r and task.hidden_facts["email"] not in r
-    first, second = task.confirm_terms[0]
-    r = u.reply(a(f"Shall I go ahead with {first} only?"))          # incomplete action: no
-    assert r.startswith("No") and task.opening in r and STOP not in r
-    r = u.reply(a(f"Shall I go ahead with {first} and {second}?"))
+    r = u.reply(say("Could you give me your email?"))
+    assert task.hidden_facts["email"] in r and oid not in r
+    r = u.reply(say(f"Please confirm: cancel order {oid}, reason {wrong}. Yes or no?"))   # the wrong reason
+    assert r.startswith("No") and f"reason is {reason}" in r and STOP not in r, r
+    r = u.reply(say(f"Please confirm: cancel order {oid}. Yes or no?"))                   # no reason at all
+    assert r.startswith("No") and reason in r and STOP not in r
+    r = u.reply(say(f"Please confirm: cancel order {oid}, reason {reason}. Yes or no?"))
     assert r.lower().startswith(("yes", "correct")) and STOP not in r
-    assert STOP in u.reply(a("Done, all updated."))
+    for _ in range(2):                                   # confirmed, but the change is not reported yet
+        r = u.reply(say("Let me check one more thing."))
+        assert STOP not in r and r in ScriptedUser.WAIT
+    assert STOP in u.reply(say(f"Done: order {oid} is cancelled."))
+
+
+def test_scripted_user_bag_count_must_be_the_new_total_and_patience_ends_a_wait():
+    task = next(t for t in tasks_by_scenario("airline") if t.scenario == "add_bags")
+    terms = task.confirm_terms[0]
+    rid, total, card = terms["reservation_id"], terms["bags"], terms["payment_method"]
+    u = ScriptedUser(task, seed=1, patience=4)
+    r = u.reply(say(f"Please confirm: add bags to {rid}, total {int(total) + 1}{total}, paid with {card}. Proceed?"))
+    assert r.startswith("No") and task.hidden_facts["bags"] in r          # "23" does not name "3"
+    r = u.reply(say(f"Please confirm: reservation {rid}, total baggages {total}, payment {card}. Proceed?"))
+    assert r.lower().startswith(("yes", "correct"))
+    assert [STOP in u.reply(say("One moment.")) for _ in range(3)] == [False, False, True]   # patience: 4 replies
 
 
 def test_scripted_user_lookup_task_stops_when_outputs_said_and_patience_runs_out():
@@ -306,7 +327,8 @@ def oracle_script(task):
     writes = iter(task.confirm_terms)
     for a in task.gold_actions:
         if a.name in envs.WRITE_TOOLS[task.domain]:
-            script.append(f"I will run {a.name} for {' '.join(next(writes))}. Shall I proceed?")
+            terms = [t if isinstance(t, str) else t[0] for t in next(writes).values()]
+            script.append(f"I will run {a.name} for {' '.join(terms)}. Shall I proceed?")
         script.append(f'<tool_call>\n{json.dumps({"name": a.name, "arguments": a.arguments})}\n</tool_call>')
     script.append("All done. I cannot do anything else here. " + " ".join(task.required_outputs))
     return script

@@ -166,7 +166,7 @@ def test_oracle_solves_tasks_of_every_scenario():
     for key, words in users.FACT_KEYWORDS.items():                 # its questions use the user's keywords
         assert any(w in sft.QUESTIONS.get(key, words[0]) for w in words), key
     tok = rollout.load_tokenizer()
-    agent = sft.OracleAgent(tok, seed=0)
+    agent = sft.OracleAgent(tok)
     for domain in envs.DOMAINS:
         tasks = envs.make_tasks(domain, "train", 3 * len(envs.SCENARIOS[domain]), seed=5)   # 3 per scenario
         trajs = rollout.run_episodes(agent, tok, tasks, user="scripted", seed=0, progress=False)
