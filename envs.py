@@ -536,6 +536,13 @@ def make_tasks(domain, split, n, seed=0):
     return tasks
 
 
+def held_out_tasks(domains: list[str], n: int, tiers: list[str], seed: int = 0) -> list[Task]:
+    """The first n test-split tasks of each domain whose tier is in tiers (eval.py's set; rl.py's held-out
+    curve uses a prefix of it)."""
+    pool = lambda d: make_tasks(d, "test", n * len(SCENARIOS[d]), seed=seed)   # noqa: E731; cycles scenarios
+    return [t for d in domains for t in [t for t in pool(d) if t.tier in tiers][:n]]
+
+
 # ----------------------------------------------------------------------------- the environment, one per rollout
 def db_hash(db):
     return hashlib.sha256(json.dumps(db, sort_keys=True).encode()).hexdigest()

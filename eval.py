@@ -55,13 +55,15 @@ import torch
 
 import rollout
 
-GPU_DEFAULTS = dict(n_tasks=24, trials=4, max_turns=30, max_new_tokens=256, max_context=8192, recheck=16,
-                    bfcl_steps=20)
-# CPU, 2 cores, 135M model, greedy, 16 episodes of <= 6 turns at once: measured 141-184 s per agent
-# (~10 s an episode). 6 tasks x 2 trials + 3 re-runs: ~3 minutes per agent, base + SFT + RL ~10.
-# Same turn/token limits as rl.py's.
-CPU_PRESET = dict(n_tasks=3, trials=2, max_turns=6, max_new_tokens=96, max_context=3072, recheck=3, bfcl_steps=4)
-SMOKE = dict(n_tasks=1, trials=2, max_turns=1, max_new_tokens=8, max_context=2048, recheck=1, bfcl_steps=1)
+GPU_DEFAULTS = dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30, max_new_tokens=256,
+                    max_context=8192, recheck=16, bfcl_steps=20)
+# CPU: the tier the CPU presets of sft.py and rl.py train on, 24 held-out tasks per domain (48 in all, enough
+# to tell two agents apart when they differ by ~0.15), greedy, one trial each; sized for a few minutes an agent
+# on 2 cores. Same turn/token limits as rl.py's.
+CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", max_turns=8, max_new_tokens=96, max_context=3072, recheck=0,
+                  bfcl_steps=4)
+SMOKE = dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
+             recheck=1, bfcl_steps=1)
 
 
 def parse_args(argv=None):
@@ -77,7 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--user-base-url", default=None, help="base URL for an openai:MODEL user")
     p.add_argument("--domains", default="retail,airline", help="comma-separated test domains")
     p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
-    p.add_argument("--tiers", default="easy,medium,hard", help="only test tasks of these tiers (comma-separated)")
+    p.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated (preset: cpu easy)")
     p.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n (preset)")
     p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
@@ -140,6 +142,26 @@ def summarize(results: dict, n_boot: int = 1000, seed: int = 0) -> dict:
             "ci": {k: list(bootstrap_ci(results, k, n_boot, seed)) for k in ks}}
 
 
+def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, alpha: float = 0.05) -> dict:
+    """Agent a minus agent b, evaluated on the same tasks with the same user seeds (trial j of a task
+    meets the same simulated user in both runs). pass^1 difference, a paired bootstrap CI over tasks
+    (each resample keeps a task's a and b results together), and the exact McNemar test: of the
+    episodes where exactly one agent succeeded, only_a went to a and only_b to b; under "no difference"
+    each such episode is a fair coin, so p = P(a two-sided binomial tail at least that lopsided)."""
+    if set(a) != set(b) or any(len(a[t]) != len(b[t]) for t in a):
+        raise ValueError("paired comparison needs the same tasks and trials for both agents")
+    ids = sorted(a)
+    diffs = [sum((x >= 1) - (y >= 1) for x, y in zip(a[t], b[t])) / len(a[t]) for t in ids]
+    rng = random.Random(seed)
+    boot = sorted(sum(rng.choices(diffs, k=len(ids))) / len(ids) for _ in range(n_boot))
+    only_a = sum(x >= 1 > y for t in ids for x, y in zip(a[t], b[t]))
+    only_b = sum(y >= 1 > x for t in ids for x, y in zip(a[t], b[t]))
+    n = only_a + only_b
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2 ** n) if n else 1.0
+    return {"diff": sum(diffs) / len(ids), "ci": [boot[int(alpha / 2 * n_boot)], boot[int((1 - alpha / 2) * n_boot) - 1]],
+            "only_a": only_a, "only_b": only_b, "mcnemar_p": p, "n_tasks": len(ids)}
+
+
 # ----------------------------------------------------------------------------- agents
 
 def build_agent(spec: str, args):
@@ -175,14 +197,18 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     t0 = time.time()
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, **user_kw)
-    trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
-    rewards = {t.id: [tr.reward for tr in trajs[i * trials:(i + 1) * trials]] for i, t in enumerate(tasks)}
+    trajs = []
+    for domain in dict.fromkeys(t.domain for t in tasks):    # a batch per domain: its rows share a system prompt
+        trajs += rollout.run_episodes(agent, tokenizer, [t for t in tasks if t.domain == domain], trials, seed=seed, **run)
+    rewards = {}
+    for tr in trajs:
+        rewards.setdefault(tr.task_id, []).append(tr.reward)
 
     failures = []
     for i, tr in enumerate(trajs):
         if tr.reward < 1.0:
             failures.append({"task_id": tr.task_id, "domain": tr.domain, "scenario": tr.scenario, "tier": tr.tier,
-                             "trial": i % trials, "stop_reason": tr.stop_reason, "turns": tr.turns,
+                             "trial": tr.trial, "stop_reason": tr.stop_reason, "turns": tr.turns,
                              "diff": tr.diff, "stats": tr.stats, "messages": tr.messages})
     # Failure analysis: re-run failed tasks once with a different user seed. A task that then succeeds
     # failed (at least partly) because of the user simulator, not the agent.
@@ -361,8 +387,9 @@ def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int
 
 # ----------------------------------------------------------------------------- report
 
-def markdown(results: dict) -> str:
-    """Side-by-side table of every agent: pass^k overall with CI, pass^1 per domain, per tier and per scenario."""
+def markdown(results: dict, pairs: dict | None = None) -> str:
+    """Side-by-side table of every agent: pass^k overall with CI, pass^1 per domain, per tier and per scenario;
+    then the paired comparisons (see paired_difference)."""
     agents = list(results)
     first = results[agents[0]]["tau"]
     ks = list(first["overall"]["pass^k"])
@@ -384,6 +411,13 @@ def markdown(results: dict) -> str:
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-",
                 f"{bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
         lines.append(f"| {a} | " + " | ".join(row) + " |")
+    if pairs:
+        lines += ["", "Paired on the same tasks and user seeds: pass^1 difference with a 95% paired bootstrap CI "
+                  "over tasks; McNemar exact test on the episodes where exactly one agent succeeded.", "",
+                  "| comparison | difference | 95% CI | only the first solved | only the second solved | McNemar p |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {d['diff']:+.3f} | [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] | {d['only_a']} | "
+                  f"{d['only_b']} | {d['mcnemar_p']:.4f} |" for name, d in pairs.items()]
     lines += ["", "| scenario | tasks | " + " | ".join(f"{a} pass^1" for a in agents) + " |",
               "|---" * (len(agents) + 2) + "|"]
     for s, summary in first["per_scenario"].items():
@@ -392,37 +426,35 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: str):
+def plot(results: dict, path: str, pairs: dict | None = None):
+    """pass^1 of every agent with its 95% CI (the paired differences in the title), and per scenario."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    scenarios = list(next(iter(results.values()))["tau"]["per_scenario"])
-    width = 0.8 / len(results)
-    for i, (a, r) in enumerate(results.items()):
-        o = r["tau"]["overall"]
-        ks = [int(k) for k in o["pass^k"]]
-        vals = list(o["pass^k"].values())
-        err = [[v - ci[0] for v, ci in zip(vals, o["ci"].values())], [ci[1] - v for v, ci in zip(vals, o["ci"].values())]]
-        ax1.errorbar(ks, vals, yerr=err, marker="o", capsize=3, label=a)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 1.6]})
+    agents, scenarios = list(results), list(next(iter(results.values()))["tau"]["per_scenario"])
+    overall = [results[a]["tau"]["overall"] for a in agents]
+    vals = [o["pass^k"][1] for o in overall]
+    err = [[v - o["ci"][1][0] for v, o in zip(vals, overall)], [o["ci"][1][1] - v for v, o in zip(vals, overall)]]
+    ax1.bar(agents, vals, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(agents))])
+    for i, v in enumerate(vals):
+        ax1.text(i, v + 0.02, f"{v:.2f}", ha="center")
+    n = overall[0]["n_tasks"]
+    title = f"pass^1, {n} held-out tasks (95% CI)"
+    for name, d in (pairs or {}).items():
+        title += f"\n{name}: {d['diff']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}], McNemar p {d['mcnemar_p']:.3f}"
+    ax1.set(ylabel="pass^1", ylim=(0, 1.05))
+    ax1.set_title(title, fontsize=9)
+    width = 0.8 / len(agents)
+    for i, a in enumerate(agents):
         ax2.bar([j + i * width for j in range(len(scenarios))],
-                [r["tau"]["per_scenario"][s]["pass^k"][1] for s in scenarios], width, label=a)
-    ax1.set(xlabel="k", ylabel="pass^k", title="pass^k on held-out tasks (95% CI)", ylim=(-0.05, 1.05))
-    ax1.set_xticks(ks)
-    ax2.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(scenarios))], scenarios, rotation=30, ha="right")
+                [results[a]["tau"]["per_scenario"][s]["pass^k"][1] for s in scenarios], width, label=a)
+    ax2.set_xticks([j + width * (len(agents) - 1) / 2 for j in range(len(scenarios))], scenarios, rotation=20, ha="right")
     ax2.set(ylabel="pass^1", title="per scenario", ylim=(0, 1.05))
-    for ax in (ax1, ax2):
-        ax.legend()
+    ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
-
-
-def test_tasks(domains: list[str], n: int, tiers: list[str], seed: int = 0) -> list:
-    """The first n held-out test tasks of each domain whose tier is in tiers."""
-    import envs
-    pool = lambda d: envs.make_tasks(d, "test", n * len(envs.SCENARIOS[d]), seed=seed)   # noqa: E731; cycles scenarios
-    return [t for d in domains for t in [t for t in pool(d) if t.tier in tiers][:n]]
 
 
 def main(argv=None):
@@ -433,7 +465,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "args.json"), "w") as f:
         json.dump(vars(args), f, indent=2)
-    tasks = test_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
+    import envs
+    tasks = envs.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
     user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else {}
     results = {}
     for spec in args.agents.split(","):
@@ -468,13 +501,16 @@ def main(argv=None):
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")
     for r in results.values():              # the failures live in their own files
         r["tau"]["n_failed"] = len(r["tau"].pop("failures"))
-    table = markdown(results)
+    labels = list(results)                  # every later agent against every earlier one, e.g. "rl - sft"
+    pairs = {f"{b} - {a}": paired_difference(results[b]["tau"]["rewards"], results[a]["tau"]["rewards"], seed=args.seed)
+             for i, a in enumerate(labels) for b in labels[i + 1:]}
+    table = markdown(results, pairs)
     print(table)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    plot(results, os.path.join(args.out, "eval.png"))
+        json.dump({"agents": results, "paired": pairs}, f, indent=2)
+    plot(results, os.path.join(args.out, "eval.png"), pairs)
     print(f"wrote {args.out}/results.md, results.json, eval.png")
     return results
 

@@ -45,6 +45,7 @@ Differences from the paper (and its official code):
   run); full fine-tuning would use a smaller one.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -55,18 +56,18 @@ import time
 
 import torch
 
-GPU_DEFAULTS = dict(steps=100, tasks=32, group_size=8, max_turns=30, max_new_tokens=256,
+GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
                     max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10,
-                    grad_checkpointing="on")
-# CPU (2 cores, fp32, 135M), quiet machine, from the CPU SFT adapter. Measured: rolling out 2 tasks x 4
-# (6 rounds of <= 96 tokens) takes 60-69 s a step; training takes 44-54 s when one group has reward
-# variance and 59-71 s when both do, the system prompt run once per pass (105-120 s for one group with
-# activation checkpointing and a pass per sequence). The oracle needs 4-7 turns on easy/medium tasks, hence 6 turns. Two groups a step: more
-# chances of a group with reward variance.
-CPU_PRESET = dict(steps=8, tasks=2, group_size=4, max_turns=6, max_new_tokens=96,
-                  max_context=3072, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, grad_checkpointing="off")
-SMOKE = dict(steps=2, tasks=1, group_size=2, max_turns=1, max_new_tokens=8,
-             max_context=2560, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, grad_checkpointing="off")
+                    eval_every=10, eval_tasks=24, grad_checkpointing="on")
+# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings). A
+# rollout batch of 4 tasks x 4 (16 rows decode together: several times the tokens/s of one row); up to 3
+# batches a step until 4 groups have reward variance; held-out pass^1 on 16 tasks every 2 steps.
+CPU_PRESET = dict(steps=6, tasks=4, draw=4, max_draws=3, group_size=4, max_turns=8, max_new_tokens=96,
+                  max_context=3072, micro_batch=2, lr=2e-4, tiers="easy", ckpt_every=1, eval_every=2,
+                  eval_tasks=8, grad_checkpointing="off")
+SMOKE = dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
+             max_context=2560, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, eval_every=2, eval_tasks=1,
+             grad_checkpointing="off")
 
 
 def parse_args(argv=None):
@@ -82,7 +83,11 @@ def parse_args(argv=None):
     p.add_argument("--domains", default="retail,airline", help="comma-separated train domains")
     p.add_argument("--task-pool", type=int, default=200, help="train tasks generated per domain to sample from")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (preset)")
-    p.add_argument("--tasks", type=int, default=None, help="tasks per step (preset; paper 32)")
+    p.add_argument("--tasks", type=int, default=None, help="groups with reward variance to train on per step "
+                   "(preset; paper 32 tasks)")
+    p.add_argument("--draw", type=int, default=None, help="tasks per rollout batch (preset)")
+    p.add_argument("--max-draws", type=int, default=None, help="dynamic sampling: at most this many rollout batches "
+                   "a step to find --tasks groups with reward variance (preset; 1 = plain GRPO)")
     p.add_argument("--group-size", type=int, default=None, help="rollouts per task G (preset; paper 8)")
     p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset; paper 30)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
@@ -102,6 +107,11 @@ def parse_args(argv=None):
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank when starting from base")
     p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha when starting from base")
     p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps (preset)")
+    p.add_argument("--eval-every", type=int, default=None, help="held-out pass^1 every N steps, and before step 1 "
+                   "(preset; 0 = never)")
+    p.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks per domain for that curve (preset)")
+    p.add_argument("--eval-skip", type=int, default=24, help="the curve uses held-out tasks after the first N per "
+                   "domain, which eval.py's CPU preset reports: monitoring never looks at the final eval")
     p.add_argument("--seed", type=int, default=0, help="seed for task sampling, users and sampling")
     p.add_argument("--out", default="runs/rl", help="output dir (everything this run writes)")
     p.add_argument("--smoke", action="store_true", help="2 tiny steps (< 2 min on CPU)")
@@ -185,7 +195,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id):
         micro.append(dict(ids=ids, attn=attn, mask=mask, adv=adv[idx].to(dev)))
     inputs = lambda mbs: [(mb["ids"], mb["attn"], mb["mask"]) for mb in mbs]     # noqa: E731
     with torch.no_grad():        # before any update: reference always, old policy only if it can differ
-        with model.disable_adapter():
+        with reference_policy(model):
             for mb, ref in zip(micro, logprobs_with_shared_prefix(model, prefix, inputs(micro), args.temperature)):
                 mb["ref"] = ref
         if args.mini_batches > 1:
@@ -228,7 +238,7 @@ def save_checkpoint(out, step, model, optimizer, metrics):
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(os.path.join(tmp, "adapter"))
+    model.save_pretrained(os.path.join(tmp, "adapter"), selected_adapters=["default"])   # not the frozen "ref"
     rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     torch.save(dict(optimizer=optimizer.state_dict(), rng=rng), os.path.join(tmp, "state.pt"))
@@ -253,18 +263,79 @@ def restore_checkpoint(ckpt, optimizer):
 
 
 def plot(metrics, path):
+    """Training reward and held-out pass^1 (the curve that matters), KL to the reference, groups trained."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    steps = [m["step"] for m in metrics]
-    for ax, key in zip(axes, ("reward", "kl", "entropy")):
-        ax.plot(steps, [m[key] for m in metrics], marker="o")
-        ax.set_title(key)
-        ax.set_xlabel("step")
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.3))
+    trained = [m for m in metrics if "reward" in m]
+    evals = [m for m in metrics if m.get("heldout_pass1") is not None]
+    axes[0].plot([m["step"] for m in trained], [m["pass_rate"] for m in trained], marker=".", label="train rollouts (T=1)")
+    axes[0].plot([m["step"] for m in evals], [m["heldout_pass1"] for m in evals], marker="o", label="held-out (greedy)")
+    axes[0].set(title="pass^1", xlabel="step", ylim=(-0.02, 1.02))
+    axes[0].legend(fontsize=8)
+    kl = [m for m in trained if m["kl"] is not None]
+    axes[1].plot([m["step"] for m in kl], [m["kl"] for m in kl], marker=".")
+    axes[1].set(title="KL to the reference (k3)", xlabel="step")
+    axes[2].bar([m["step"] for m in trained], [m["groups_drawn"] for m in trained], color="0.8", label="drawn")
+    axes[2].bar([m["step"] for m in trained], [m["groups_trained"] for m in trained], label="with reward variance")
+    axes[2].set(title="groups per step", xlabel="step")
+    axes[2].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+@contextlib.contextmanager
+def reference_policy(model):
+    """The KL reference is the policy RL started from: the frozen copy of the starting adapter, loaded as
+    adapter "ref" beside the trained "default" (LoRA weights are small; the base weights stay one copy),
+    or, when RL starts from a fresh LoRA (zero delta), the base model with the adapter switched off."""
+    if "ref" not in getattr(model, "peft_config", {}):
+        with model.disable_adapter():
+            yield
+        return
+    model.set_adapter("ref", inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter("default")          # trainable again
+
+
+def load_policy(args, model):
+    """The trained adapter ("default") and the frozen reference ("ref"): from the latest checkpoint when
+    resuming, else from --init. The starting adapter is copied to <out>/reference, so a resumed run
+    gets the same reference even if --init has changed since. -> (model, checkpoint dir or None)."""
+    import rollout
+    ckpt, ref_dir = latest_checkpoint(args.out), os.path.join(args.out, "reference")
+    init = args.init
+    if init == "auto":
+        init = "runs/sft/adapter" if os.path.isdir("runs/sft/adapter") else "base"
+    if ckpt:
+        model = rollout.load_adapter(model, os.path.join(ckpt, "adapter"), trainable=True)
+    elif init == "base":
+        print("init: base model + fresh LoRA (no cold-start SFT adapter; run `python sft.py` for one)")
+        model = rollout.add_lora(model, r=args.lora_r, alpha=args.lora_alpha)
+    else:
+        print(f"init: SFT adapter {init}")
+        model = rollout.load_adapter(model, init, trainable=True)
+        shutil.copytree(init, ref_dir, dirs_exist_ok=True)
+    if os.path.isdir(ref_dir):
+        model.load_adapter(ref_dir, adapter_name="ref", is_trainable=False)
+    return model, ckpt
+
+
+def heldout_pass1(model, tok, tasks, args, user_kw) -> float:
+    """pass^1 of the greedy policy on fixed held-out tasks, one batch per domain (eval.py's settings)."""
+    import rollout
+    agent, solved = rollout.ModelAgent(model, tok, temperature=0.0, max_new_tokens=args.max_new_tokens), 0
+    model.eval()
+    for domain in dict.fromkeys(t.domain for t in tasks):
+        trajs = rollout.run_episodes(agent, tok, [t for t in tasks if t.domain == domain], user=args.user,
+                                     max_turns=args.max_turns, max_context=args.max_context, seed=args.seed,
+                                     progress=False, **user_kw)
+        solved += sum(t.reward >= 1 for t in trajs)
+    return solved / len(tasks)
 
 
 # ---------------------------------------------------------------- the loop
@@ -281,29 +352,15 @@ def main(argv=None):
     from tqdm import tqdm
     if rollout.DEVICE == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if args.init not in ("auto", "base") and not os.path.isdir(args.init):
+        sys.exit(f"--init {args.init}: no such adapter dir; run `python sft.py` first or pass --init base")
     os.makedirs(args.out, exist_ok=True)
     print(vars(args))
     with open(os.path.join(args.out, "args.json"), "w") as f:
         json.dump(vars(args), f, indent=1)
 
     model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL, load_in_4bit=args.load_in_4bit)
-    ckpt = latest_checkpoint(args.out)
-    if ckpt:
-        model = rollout.load_adapter(model, os.path.join(ckpt, "adapter"), trainable=True)
-    else:
-        init = args.init
-        if init == "auto":
-            init = "runs/sft/adapter" if os.path.isdir("runs/sft/adapter") else "base"
-            if init == "base":
-                print("init: runs/sft/adapter not found (run `python sft.py` for the cold start)")
-        if init == "base":
-            print("init: base model + fresh LoRA (no cold-start SFT adapter)")
-            model = rollout.add_lora(model, r=args.lora_r, alpha=args.lora_alpha)
-        elif not os.path.isdir(init):
-            sys.exit(f"--init {init}: no such adapter dir; run `python sft.py` first or pass --init base")
-        else:
-            print(f"init: SFT adapter {init}")
-            model = rollout.load_adapter(model, init, trainable=True)
+    model, ckpt = load_policy(args, model)
     if args.grad_checkpointing == "on":    # less activation memory, more compute, no shared prefix
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
@@ -318,63 +375,83 @@ def main(argv=None):
     with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:   # rewrite: drop steps after the checkpoint
         f.writelines(json.dumps(m) + "\n" for m in metrics)
 
-    tiers, domains = set(args.tiers.split(",")), args.domains.split(",")
+    tiers, domains, G = args.tiers.split(","), args.domains.split(","), args.group_size
     pools = {d: [t for t in envs.make_tasks(d, "train", args.task_pool, seed=args.seed) if t.tier in tiers]
              for d in domains}
+    heldout = envs.held_out_tasks(domains, args.eval_skip + args.eval_tasks, tiers, args.seed)
+    heldout = [t for d in domains for t in [t for t in heldout if t.domain == d][args.eval_skip:]]
     agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    G = args.group_size
     user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else \
         {"model": model, "tokenizer": tok} if args.user == "local" else {}
 
+    def log(m):
+        metrics.append(m)
+        with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+
+    if start == 0 and args.eval_every:                    # where the curve starts: the policy RL starts from
+        t0 = time.time()
+        log(dict(step=0, heldout_pass1=heldout_pass1(model, tok, heldout, args, user_kw), eval_s=time.time() - t0))
+        print(f"step   0 | held-out pass^1 {metrics[-1]['heldout_pass1']:.3f} on {len(heldout)} tasks")
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", disable=None)
     for step in bar:
         t0 = time.time()
-        # 1. sample tasks: one domain per step, in turn, so every rollout of the step shares one
-        #    system prompt (ModelAgent prefills it once). Own RNG: a resumed run redraws the same tasks.
+        # 1-2. rollouts with dynamic sampling: batches of --draw tasks x G rollouts (fresh Env and simulated
+        #    user each, inside run_episodes) until --tasks groups have reward variance or --max-draws batches
+        #    ran. One domain a step, in turn: every row shares one system prompt, prefilled once.
+        #    Own RNG: a resumed run redraws the same tasks.
         pool = pools[domains[step % len(domains)]]
-        tasks = random.Random(args.seed * 1_000_003 + step).sample(pool, args.tasks)
-        # 2. G rollouts per task, fresh Env + fresh simulated user each (inside run_episodes)
+        order = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), args.draw * args.max_draws))
         model.eval()                           # generation with KV cache; checkpointing is train-only
-        try:
-            trajs = rollout.run_episodes(agent, tok, tasks, group_size=G, user=args.user,
-                                         max_turns=args.max_turns, max_context=args.max_context,
-                                         seed=args.seed * 1_000_003 + step, shaped=args.reward == "shaped",
-                                         progress=False, **user_kw)
-        except users.UserSimulatorError as e:
-            sys.exit(str(e))
-        if all(t.stop_reason == "error" for t in trajs):   # e.g. the user server went down mid-run
-            sys.exit(f"every rollout failed: {trajs[0].stats.get('error')}")
+        rollouts, kept = [], []
+        for d in range(args.max_draws):
+            tasks = order[d * args.draw:(d + 1) * args.draw]
+            try:
+                trajs = rollout.run_episodes(agent, tok, tasks, group_size=G, user=args.user, max_turns=args.max_turns,
+                                             max_context=args.max_context, seed=args.seed * 1_000_003 + step * 101 + d,
+                                             shaped=args.reward == "shaped", progress=False, **user_kw)
+            except users.UserSimulatorError as e:
+                sys.exit(str(e))
+            if all(t.stop_reason == "error" for t in trajs):   # e.g. the user server went down mid-run
+                sys.exit(f"every rollout failed: {trajs[0].stats.get('error')}")
+            rollouts += trajs
+            groups = [trajs[i * G:(i + 1) * G] for i in range(len(tasks))]
+            kept += [g for g in groups if len({t.reward for t in g}) > 1]    # the rest carry no signal
+            if len(kept) >= args.tasks:
+                break
+        kept = kept[:args.tasks]
         t_roll = time.time() - t0
-        # 3-4. reward -> group advantages; zero-variance groups are skipped
-        rewards = torch.tensor([t.reward for t in trajs])
-        adv, zero_var = group_advantages(rewards, G)
-        keep = [i for i in range(len(trajs)) if not zero_var[i // G]]
+        # 3-4. reward -> group advantages, within each kept group
+        train = [t for g in kept for t in g]
+        adv, _ = group_advantages(torch.tensor([t.reward for t in train]), G)
         # 5-7. log-probs (policy / old / reference) -> loss -> clip -> AdamW
         model.train()
-        st = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
-        if keep:
-            st = grpo_update(model, optimizer, [trajs[i] for i in keep], adv[keep], args, pad_id)
-        sampled = sum(sum(t.loss_mask) for t in trajs)
-        secs = time.time() - t0
-        m = dict(step=step + 1, reward=rewards.mean().item(),
-                 pass_rate=(rewards >= 1).float().mean().item(),
-                 solved_groups=int((rewards.view(-1, G) >= 1).any(1).sum()), groups=len(tasks),
-                 zero_var_groups=int(zero_var.sum()),
-                 kl=st["kl_sum"] / max(st["tokens"], 1), entropy=-sum(sum(t.logprobs) for t in trajs) / max(sampled, 1),
-                 clip_frac=st["clipped"] / max(st["tokens"], 1), grad_norm=st["grad_norm"] / max(st["updates"], 1),
-                 tokens=sampled, train_tokens=st["tokens"], turns=sum(t.turns for t in trajs) / len(trajs),
-                 rollout_s=t_roll, s_per_step=secs, tok_per_s=sampled / secs)
-        metrics.append(m)
-        tqdm.write(f"step {m['step']:3d}/{args.steps} | reward {m['reward']:.3f} | solved {m['solved_groups']}/{len(tasks)}"
-                   f" | zero-var {m['zero_var_groups']}/{len(tasks)} | kl {m['kl']:.5f} | ent {m['entropy']:.3f}"
-                   f" | clip {m['clip_frac']:.3f} | gnorm {m['grad_norm']:.3f} | tok {sampled}"
-                   f" | {secs:.1f} s/step | {m['tok_per_s']:.1f} tok/s")
-        with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(m) + "\n")
+        st = grpo_update(model, optimizer, train, adv, args, pad_id) if train else None
+        t_train = time.time() - t0 - t_roll
+        rewards = torch.tensor([t.reward for t in rollouts])
+        sampled = sum(sum(t.loss_mask) for t in rollouts)
+        m = dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
+                 groups_drawn=len(rollouts) // G, groups_trained=len(kept), draws=len(rollouts) // G // args.draw,
+                 kl=st["kl_sum"] / max(st["tokens"], 1) if st else None,       # None: no group, no update
+                 clip_frac=st["clipped"] / max(st["tokens"], 1) if st else None,
+                 grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
+                 entropy=-sum(sum(t.logprobs) for t in rollouts) / max(sampled, 1), tokens=sampled,
+                 train_tokens=st["tokens"] if st else 0, turns=sum(t.turns for t in rollouts) / len(rollouts),
+                 rollout_s=t_roll, train_s=t_train)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            t1 = time.time()
+            m.update(heldout_pass1=heldout_pass1(model, tok, heldout, args, user_kw), eval_s=time.time() - t1)
+        m.update(s_per_step=time.time() - t0, tok_per_s=sampled / t_roll)
+        log(m)
+        f = lambda x, spec: "-" if x is None else format(x, spec)           # noqa: E731
+        tqdm.write(f"step {m['step']:3d}/{args.steps} | reward {m['reward']:.3f} | groups {len(kept)}/{m['groups_drawn']}"
+                   f" with signal | kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')}"
+                   f" | gnorm {f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')}"
+                   f" | tok {sampled} | {m['s_per_step']:.0f} s/step | {m['tok_per_s']:.1f} tok/s")
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
             save_checkpoint(args.out, step + 1, model, optimizer, metrics)
-    model.save_pretrained(os.path.join(args.out, "adapter"))
+    model.save_pretrained(os.path.join(args.out, "adapter"), selected_adapters=["default"])
     if metrics:
         plot(metrics, os.path.join(args.out, "rl.png"))
     print(f"adapter -> {os.path.join(args.out, 'adapter')}")

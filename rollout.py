@@ -30,6 +30,7 @@ import re
 import shutil
 import tempfile
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -225,6 +226,7 @@ def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
 class Trajectory:
     task_id: str; domain: str; scenario: str; tier: str   # noqa: E702
     group: int                  # index of the task in the batch (GRPO groups share it)
+    trial: int                  # which of the task's group_size rollouts (its user's seed depends on it)
     token_ids: list[int]        # the whole conversation, system prompt included
     loss_mask: list[int]        # 1 only on tokens the policy sampled (incl. its end-of-turn)
     logprobs: list[float]       # sampler log-prob of each sampled token, 0.0 where loss_mask == 0
@@ -411,9 +413,10 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
     for i, task in enumerate(tasks):
         for g in range(group_size):
             env = envs.Env(task, shaped=shaped)
-            u = make_user(user, task, seed=seed * 100_003 + i * 1_009 + g, **user_kw)
+            # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
+            u = make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), **user_kw)
             system, first = system_prompt(env.policy, env.tools), u.first_message()
-            traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, [], [], [],
+            traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, [], [], [],
                               [{"role": "system", "content": system}, {"role": "user", "content": first}],
                               stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
                                                    "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))

@@ -37,6 +37,40 @@ def test_bootstrap_ci_brackets_the_estimate():
     assert same["ci"][1] == [1.0, 1.0]
 
 
+def test_paired_difference_by_hand():
+    a = {"t1": [1], "t2": [1], "t3": [0], "t4": [1], "t5": [0]}
+    b = {"t1": [0], "t2": [1], "t3": [0], "t4": [0], "t5": [1]}
+    d = ev.paired_difference(a, b, n_boot=2000)
+    assert d["diff"] == pytest.approx(1 / 5) and (d["only_a"], d["only_b"]) == (2, 1)
+    assert d["mcnemar_p"] == pytest.approx(1.0)            # 2 vs 1 of 3 discordant: 2 * P(X <= 1) = 1
+    assert -1.0 <= d["ci"][0] < d["diff"] < d["ci"][1] <= 1.0
+    ten = {f"t{i}": [1] for i in range(10)}
+    none = {f"t{i}": [0] for i in range(10)}
+    d = ev.paired_difference(ten, none, n_boot=200)
+    assert d["diff"] == 1.0 and d["ci"] == [1.0, 1.0] and d["mcnemar_p"] == pytest.approx(2 / 2 ** 10)
+    same = ev.paired_difference(ten, ten, n_boot=200)
+    assert same["diff"] == 0.0 and same["ci"] == [0.0, 0.0] and same["mcnemar_p"] == 1.0
+    # trials pair up episode by episode: (1, 0) against (0, 1) is two discordant episodes, difference 0
+    d = ev.paired_difference({"t": [1, 0]}, {"t": [0, 1]}, n_boot=100)
+    assert d["diff"] == 0.0 and (d["only_a"], d["only_b"]) == (1, 1)
+    with pytest.raises(ValueError):
+        ev.paired_difference({"t1": [1]}, {"t2": [1]})
+
+
+def test_paired_bootstrap_is_tighter_than_two_independent_intervals():
+    """Two agents that mostly agree: the paired CI of the difference excludes 0 where the unpaired
+    reading (comparing the two agents' own CIs) could not tell them apart."""
+    import random
+    rng = random.Random(0)
+    base = [int(rng.random() < 0.4) for _ in range(48)]
+    better = [1 if x else int(i % 4 == 0) for i, x in enumerate(base)]     # solves all of base's, and more
+    a, b = ({f"t{i}": [v] for i, v in enumerate(r)} for r in (better, base))
+    d = ev.paired_difference(a, b, n_boot=4000)
+    sa, sb = ev.summarize(a, 4000), ev.summarize(b, 4000)
+    assert d["only_b"] == 0 and d["ci"][0] > 0 and d["mcnemar_p"] < 0.05
+    assert sa["ci"][1][0] < sb["ci"][1][1]               # the two marginal CIs overlap
+
+
 # ----------------------------------------------------------------------------- BFCL
 
 N_BFCL = 5
@@ -191,11 +225,13 @@ def test_report_table_and_plot(tmp_path):
            "per_scenario": {"cancel_order": ev.summarize({"a": [1, 0]}, 20), "return_item": ev.summarize({"b": [1, 1]}, 20)},
            "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2}}
     results = {"base": {"tau": tau}, "rl": {"tau": tau, "bfcl": {"accuracy": 0.25, "n": 4}}}
-    table = ev.markdown(results)
+    pairs = {"rl - base": ev.paired_difference({"a": [1, 0], "b": [1, 1]}, {"a": [0, 0], "b": [1, 1]}, 100)}
+    table = ev.markdown(results, pairs)
+    assert "| rl - base | +0.250 | [" in table and "| 1 | 0 | 1.0000 |" in table
     assert "| base | 0.750 [" in table and "| 0.250 (4 entries) |" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
     assert "| 25 / 15 / 5 (40 turns) |" in table
     assert "| easy pass^1 | medium pass^1 |" in table and "(retail: 2, easy: 1, medium: 1)" in table
-    ev.plot(results, str(tmp_path / "p.png"))
+    ev.plot(results, str(tmp_path / "p.png"), pairs)
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
@@ -204,12 +240,12 @@ def test_smoke_run_writes_everything(tmp_path):
                    "--out", str(tmp_path)])
     assert list(out) == ["base"]                                 # the missing SFT adapter is skipped
     saved = json.loads((tmp_path / "results.json").read_text())
-    o = saved["base"]["tau"]["overall"]
+    o = saved["agents"]["base"]["tau"]["overall"]
     assert o["n_tasks"] == 1 and o["trials"] == 2 and 0.0 <= o["pass^k"]["1"] <= 1.0
     for name in ("args.json", "results.md", "eval.png", "failures_base.jsonl"):
         assert (tmp_path / name).exists(), name
     fails = [json.loads(l) for l in (tmp_path / "failures_base.jsonl").read_text().splitlines()]
-    assert len(fails) == saved["base"]["tau"]["n_failed"] and all("diff" in f for f in fails)
+    assert len(fails) == saved["agents"]["base"]["tau"]["n_failed"] and all("diff" in f for f in fails)
 
 
 def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):

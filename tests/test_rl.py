@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl import batch_trajectories, group_advantages, grpo_loss, grpo_update
+from rl import batch_trajectories, group_advantages, grpo_loss, grpo_update, reference_policy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,6 +131,45 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
     assert total2["kl_sum"] / total2["tokens"] > 0.0
 
 
+def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
+    """From an SFT adapter the KL reference is that adapter, frozen (peft's "ref" beside the trained
+    "default"): KL is 0 at the first update though the adapter is far from the base, rises after it,
+    and the reference's weights never move."""
+    from peft import PeftModel
+    sft = tiny_lora_model()
+    for n, p in sft.named_parameters():                # a trained adapter: non-zero B, far from the base
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.5)
+    sft.save_pretrained(tmp_path / "sft")
+    base = sft.unload()                                 # the same random base without LoRA layers
+    model = PeftModel.from_pretrained(base, tmp_path / "sft", is_trainable=True)
+    model.load_adapter(tmp_path / "sft", adapter_name="ref", is_trainable=False)
+    trajs = fake_trajs()
+    ids, attn, mask = batch_trajectories(trajs, pad_id=2)
+    with torch.no_grad():
+        from kernels import sequence_logprobs
+        pol = sequence_logprobs(model, ids, attn, mask)
+        with model.disable_adapter():
+            off = sequence_logprobs(model, ids, attn, mask)
+    _, st = grpo_loss(pol, pol, off, torch.ones(4), mask)
+    assert st["kl_sum"] / st["tokens"] > 1e-3          # the adapter-off base would NOT read 0
+    ref_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ref." in n}
+    assert ref_before and not any(p.requires_grad for n, p in model.named_parameters() if ".ref." in n)
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    first = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    print(f"KL at the first update {first['kl_sum'] / first['tokens']:.2e} (adapter-off base: "
+          f"{st['kl_sum'] / st['tokens']:.3f})")
+    assert first["kl_sum"] / first["tokens"] < 1e-6
+    second = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    assert second["kl_sum"] / second["tokens"] > 1e-4
+    assert all(torch.equal(p, ref_before[n]) for n, p in model.named_parameters() if ".ref." in n)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in n for n in trainable)      # reference_policy() restored them
+    with reference_policy(model), torch.no_grad():      # and it still computes the starting policy
+        assert torch.allclose(sequence_logprobs(model, ids, attn, mask), pol, atol=1e-6)
+
+
 def test_masked_tokens_get_zero_gradient_through_the_model():
     """Prompt/user positions and right padding: changing what sits after a sequence's end
     (pads) changes neither loss nor gradient, and d loss / d logp is exactly 0 where mask == 0."""
@@ -199,8 +238,8 @@ def test_mini_batches_make_ratio_depart_from_one():
 
 # ---------------------------------------------------------------- end to end
 
-def run_rl(out, *extra, wait=True):
-    cmd = [sys.executable, os.path.join(REPO, "rl.py"), "--smoke", "--init", "base", "--out", str(out), *extra]
+def run_rl(out, *extra, wait=True, init="base"):
+    cmd = [sys.executable, os.path.join(REPO, "rl.py"), "--smoke", "--init", init, "--out", str(out), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if wait:
         return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)   # generous: shared CPUs
@@ -214,18 +253,36 @@ def read_metrics(out):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    """A random 2-layer Llama with the default model's tokenizer (so the chat format is real):
-    rollouts are nonsense but the loop, checkpoints and resume run in seconds."""
+    """A random 2-layer Llama with the default model's tokenizer (so the chat format is real), built so
+    that each sampled token is " delivered" or <|im_end|> about half the time: every embedding has a
+    large constant first coordinate, which survives the small random layers and RMSNorm as a constant
+    direction, and lm_head reads it for those two tokens only. On retail's refuse_cancel_delivered
+    task (reward 1 iff "delivered" is said and the DB is unchanged) some rollouts of a group succeed and
+    some fail, so GRPO takes real optimizer steps in seconds. Also an adapter for it ("sft") to start from."""
     import rollout
+    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
     tok = rollout.load_tokenizer()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    delivered, eot = tok(" delivered", add_special_tokens=False).input_ids, tok.convert_tokens_to_ids("<|im_end|>")
+    assert len(delivered) == 1
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 40.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[[delivered[0], eot], 0] = 3.0      # logit ~ 3 * sqrt(32) = 17 for these two
     path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    model.save_pretrained(path / "model")
+    tok.save_pretrained(path / "model")
+    torch.manual_seed(1)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for n, p in lora.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    lora.save_pretrained(path / "sft")
     return str(path)
 
 
@@ -234,9 +291,12 @@ def test_smoke_two_steps_writes_everything_under_out(tmp_path):
     r = run_rl(tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = read_metrics(tmp_path)
-    assert [x["step"] for x in m] == [1, 2]
-    assert all(0.0 <= x["reward"] <= 1.0 and x["tokens"] > 0 and x["zero_var_groups"] <= x["groups"] for x in m)
-    assert all(x["entropy"] > 0 for x in m)            # sampled at temperature 1 from a real model
+    assert [x["step"] for x in m] == [0, 1, 2]          # 0: held-out pass^1 of the starting policy
+    assert all(x["heldout_pass1"] is not None for x in (m[0], m[2])) and "heldout_pass1" not in m[1]
+    assert all(0.0 <= x["reward"] <= 1.0 and x["tokens"] > 0 and x["groups_trained"] <= x["groups_drawn"]
+               for x in m[1:])
+    assert all(x["entropy"] > 0 for x in m[1:])          # sampled at temperature 1 from a real model
+    assert all(x["kl"] is None for x in m[1:] if x["groups_trained"] == 0)   # no update: no KL measured
     for name in ("args.json", "rl.png", "adapter/adapter_config.json", "ckpt-000002/state.pt"):
         assert os.path.exists(tmp_path / name), name
     assert json.load(open(tmp_path / "args.json"))["out"] == str(tmp_path)
@@ -244,29 +304,40 @@ def test_smoke_two_steps_writes_everything_under_out(tmp_path):
     assert "init: base model" in r.stdout
 
 
+TRAINS = ["--steps", "4", "--max-turns", "2", "--domains", "retail", "--tiers", "hard", "--draw", "2",
+          "--max-draws", "3", "--group-size", "4", "--eval-every", "0", "--lr", "1e-2"]
+
+
 def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
-    steps = ["--model", tiny_model_dir, "--steps", "4", "--max-turns", "2"]
-    ref = run_rl(tmp_path / "uninterrupted", *steps)   # same run without a kill, to compare against
+    """A run that takes optimizer steps before and after the kill, from an adapter (so the frozen
+    reference is a second adapter that must come back too): the resumed run ends exactly where the
+    uninterrupted one does, step by step (rewards, KL to the reference, gradient norms)."""
+    steps = ["--model", os.path.join(tiny_model_dir, "model"), *TRAINS]
+    init = os.path.join(tiny_model_dir, "sft")
+    ref = run_rl(tmp_path / "uninterrupted", *steps, init=init)   # the same run without a kill
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     out = tmp_path / "killed"
-    p = run_rl(out, *steps, wait=False)
-    while not os.path.exists(out / "ckpt-000001") and p.poll() is None:
+    p = run_rl(out, *steps, wait=False, init=init)
+    while not os.path.exists(out / "ckpt-000002") and p.poll() is None:
         time.sleep(0.02)
     assert p.poll() is None, "the run ended before it could be killed: " + p.stdout.read()[-3000:]
     os.kill(p.pid, signal.SIGKILL)                    # a real kill: no handler, no cleanup
     p.wait()
     p.stdout.close()
     done = max(int(n[5:]) for n in os.listdir(out) if n.startswith("ckpt-") and not n.endswith(".tmp"))
-    assert 1 <= done < 4
+    assert 2 <= done < 4
     before = read_metrics(out)
-    r = run_rl(out, *steps)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_rl(out, *steps, init="base")             # --init is ignored on resume: the checkpoint and
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]   # <out>/reference decide
     assert f"at step {done}" in r.stdout
-    after = read_metrics(out)
+    after, uninterrupted = read_metrics(out), read_metrics(tmp_path / "uninterrupted")
     assert [x["step"] for x in after] == [1, 2, 3, 4]  # every step once: none lost, none repeated
     assert after[:done] == before[:done]              # steps up to the checkpoint are kept as they were
-    # restored RNG states: the resumed run samples exactly what the uninterrupted run sampled
-    # a random model never solves a task: every group has zero variance and nothing is trained on
-    assert all(x["zero_var_groups"] == x["groups"] and x["train_tokens"] == 0 for x in after)
-    same = lambda ms: [(x["tokens"], round(x["entropy"], 4), x["turns"]) for x in ms]
-    assert same(after) == same(read_metrics(tmp_path / "uninterrupted"))
+    trained = [x["step"] for x in after if x["groups_trained"]]
+    print("steps that trained:", trained, "KL:", [x["kl"] for x in after])
+    assert any(s <= done for s in trained) and any(s > done for s in trained)   # updates before and after the kill
+    assert after[0]["kl"] is not None and after[0]["kl"] < 1e-6       # step 1: the policy is its reference
+    same = lambda ms: [(x["reward"], x["groups_trained"], x["tokens"], round(x["entropy"], 4),
+                        None if x["kl"] is None else round(x["kl"], 6),
+                        None if x["grad_norm"] is None else round(x["grad_norm"], 5)) for x in ms]
+    assert same(after) == same(uninterrupted)

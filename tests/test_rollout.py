@@ -372,3 +372,18 @@ def test_print_one_trajectory_token_by_token(tok):
     assert tok.decode(t.token_ids[first_trained - 4:first_trained]) == "<|im_start|>assistant\n"
     assert tok.decode([i for i, m in zip(t.token_ids, t.loss_mask) if m]) == \
         "Sure. What is your email?<|im_end|>" + script[1] + "<|im_end|>"
+
+
+def test_user_seeds_pair_episodes_across_batches(tok):
+    """A (task, trial) meets the same simulated user whatever else is in the batch, so two agents evaluated
+    in different batches are compared on the same users (eval.paired_difference relies on it)."""
+    tasks = [t for t in envs.make_tasks("retail", "test", 14) if t.confirm_terms][:6]
+    together = run_episodes(ScriptAgent(tok, ["Hi, what is the reason?"] * 2), tok, tasks, group_size=2,
+                            max_turns=2, seed=5, progress=False)
+    alone = [tr for t in reversed(tasks) for tr in run_episodes(ScriptAgent(tok, ["Hi, what is the reason?"] * 2),
+                                                                   tok, [t], group_size=2, max_turns=2, seed=5,
+                                                                   progress=False)]
+    key = lambda tr: (tr.task_id, tr.trial)                          # noqa: E731
+    users_of = lambda trs: {key(tr): [m["content"] for m in tr.messages if m["role"] == "user"] for tr in trs}  # noqa: E731
+    assert users_of(together) == users_of(alone)
+    assert len({tuple(v) for v in users_of(together).values()}) > 3   # and the users do differ between episodes
