@@ -1,48 +1,40 @@
 """GRPO with a simulated user inside the rollout loop (the MUA-RL stage, arXiv 2508.18669).
 
-Each step: sample train tasks -> G rollouts per task, each with a fresh Env and a fresh
-simulated user -> binary task reward -> group advantages (r - mean) / (std + eps) ->
-per-token log-probs of the policy (LoRA on), the old policy (before this step's update) and
-the reference (same weights, adapter off) -> PPO-clipped loss + beta * k3 KL, token-mean
-over the tokens the policy sampled -> grad clip -> AdamW. All in the `for step` loop in main().
+Each step, in the `for step` loop of main(): roll out G conversations per train task, each with a
+fresh Env and a fresh simulated user -> binary task reward -> keep the groups whose rewards differ
+(dynamic sampling: draw more tasks until enough such groups are found, capped) -> group advantages
+(r - mean) / (std + eps) -> per-token log-probs of the policy, the old policy and the reference (the
+policy RL started from, frozen) -> PPO-clipped loss + beta * k3 KL, token mean over the tokens the
+policy sampled -> grad clip -> AdamW. Every --eval-every steps: held-out pass^1, the curve to trust.
 
 Run:
-    python rl.py                        # CPU preset on CPU (<= 20 min on 2 cores), paper sizes on GPU
-    python rl.py --smoke --out /tmp/rl  # 2 tiny steps, < 2 min on CPU (used by tests/test_rl.py)
-    python rl.py --init base            # ablation: no cold start (default: runs/sft/adapter if present)
-    python rl.py --user none            # ablation: whole instruction up front, no user turns
+    python rl.py                        # from runs/sft/adapter; CPU preset on CPU, paper sizes on GPU
+    python rl.py --smoke --out /tmp/rl  # 2 tiny steps (tests/test_rl.py)
+    python rl.py --init base            # ablation: no cold start
+    python rl.py --user none            # ablation: the whole instruction up front, no user turns
+    python rl.py --user local           # ablation: another user simulator (the base model plays the user)
     python rl.py --reward shaped        # ablation: partial credit for correct writes
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale
-    python rl.py --memory-check         # GPU only: Qwen3-8B shapes, random NF4 weights, one step, peak memory
-Everything goes under --out (default runs/rl): args.json, metrics.jsonl, rl.png, checkpoints
-(ckpt-NNNNNN/: adapter + optimizer + step + RNG states + metrics), and adapter/ at the end.
-Killed and restarted with the same --out, a run resumes from its latest checkpoint (steps
-after it are redone, with the same tasks and RNG state); delete --out to start over.
+    python rl.py --memory-check         # GPU: Qwen3-8B shapes, random NF4 weights, one step, peak memory
+Everything goes under --out (default runs/rl): args.json, metrics.jsonl, rl.png, reference/ (the
+starting adapter), checkpoints (ckpt-NNNNNN/: adapter, optimizer, RNG states, metrics) and adapter/ at
+the end. Rerun the same command after a kill: it resumes from the latest checkpoint.
 
-Differences from the paper (and its official code):
-- Model: SmolLM2-135M-Instruct (bundled, fp32 on CPU) instead of Qwen3-8B/14B/32B; LoRA
-  (r 16) instead of full fine-tuning, so the reference is the same model with the adapter off.
-- Environments: our procedural retail/airline domains (envs.py), not tau2-bench. Each step
-  draws its tasks from one domain, domains taking turns, so all its rollouts share one
-  system prompt (~1.8k tokens) that the agent prefills once per step.
-- User: a scripted user by default (a 135M model cannot play a user); the paper uses GPT-4o
-  (`--user openai:gpt-4o` here).
-- CPU preset (chosen automatically when there is no GPU; the GPU defaults are the paper's
-  32 tasks x 8 rollouts, 30 turns, all tiers): 8 steps of 2 tasks x 4 rollouts, at most 6 agent
-  turns of 96 new tokens, 3072-token context, easy tier only, a checkpoint every step. Same
-  algorithm, tiny numbers: on 2 cores a step's rollouts cost ~1 min, and training ~45-55 s when
-  one group has reward variance, ~60-70 s when both do (see CPU_PRESET), so the CPU run shows the
-  loop working, not a learning curve. Easy tasks only because a group teaches something only if some but not all of
-  its rollouts succeed, and the CPU SFT adapter (trained on the easy tier) solves some of them.
-  Raise --steps/--tasks/--tiers when you have time.
-- One optimizer step per batch of rollouts by default (--mini-batches 1); then the old
-  policy equals the policy, so old log-probs are the detached policy log-probs (no
-  extra forward) and the ratio is exactly 1. With --mini-batches > 1 they are computed
-  (no grad) before the first update and clipping starts to matter.
-- Entropy is estimated as the mean -log p of the sampled tokens (sampler log-probs), not the
-  full-vocabulary entropy.
-- Learning rate: ours, for LoRA (2e-5 GPU; 1e-4 in the CPU preset, where only a few steps
-  run); full fine-tuning would use a smaller one.
+Simplifications versus the paper and its official code:
+- SmolLM2-135M-Instruct (bundled, fp32 on CPU) instead of Qwen3-8B/14B/32B; LoRA (r 16) instead of full
+  fine-tuning, so the frozen reference is a second small adapter on the same base weights.
+- Our procedural retail/airline domains (envs.py); a step draws its tasks from one domain, domains in
+  turn, so its rollouts share one system prompt that the sampler prefills once.
+- A scripted user by default (a 135M model cannot play one); the paper's GPT-4o is --user openai:gpt-4o.
+- CPU preset: the same algorithm at small sizes, easy tier only (the tier the CPU cold start solves
+  some of: a group teaches only if some but not all of its rollouts succeed); see CPU_PRESET.
+- Dynamic sampling (DAPO) is ours; the paper's GRPO trains on every group, zero-variance ones included
+  (they contribute nothing but the KL term).
+- One optimizer step per batch of rollouts (--mini-batches 1): the old policy is the policy, so its
+  log-probs are the detached policy log-probs and the ratio is exactly 1; with more mini-batches
+  they are computed before the first update and clipping matters.
+- Entropy is the mean -log p of the sampled tokens, an estimate of the full-vocabulary entropy.
+- Learning rates are ours, for LoRA; full fine-tuning would use smaller ones.
 """
 import argparse
 import contextlib

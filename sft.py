@@ -1,60 +1,44 @@
-"""sft.py: MUA-RL cold start. Synthesize multi-turn tool-use conversations, keep the ones
-that solve their task, and fine-tune a LoRA adapter on the agent's tokens only.
+"""sft.py: MUA-RL cold start. Synthesize multi-turn tool-use conversations, keep the ones that solve
+their task, and fine-tune a LoRA adapter on the agent's tokens only. The loop is train() below.
 
 What it does
-  1. Data. An agent talks to the simulated user through rollout.run_episodes (the same loop
-     and token format as RL) on train-split tasks of every scenario. The agent is either the
-     oracle below (follows the task's gold actions, phrased like a careful human agent: ask
-     for identity and missing facts, look up, explain, ask to confirm, act, report) or any
-     OpenAI-compatible teacher model (--teacher). Only reward == 1 conversations are kept.
-     Written to <out>/data.jsonl (OpenAI format: messages + tools, loadable by `datasets`),
-     <out>/tokens.jsonl (the exact token_ids / loss_mask of each kept conversation: we train
-     on them as they are, never decode and re-tokenize) and <out>/data_stats.json.
-  2. SFT. LoRA on all linear projections (QLoRA with --load-in-4bit). Loss = mean negative
-     log-prob over loss_mask tokens (the agent's text and tool calls, incl. <|im_end|>;
-     system, user and tool tokens count for nothing), computed by kernels.sequence_logprobs,
-     the same function rl.py uses. AdamW, linear warmup then cosine (or linear) decay,
-     gradient accumulation. Each batch holds one domain, whose system prompt (~1,760 of ~2,650
-     tokens) goes through the model once per batch, not once per conversation: the gradient is
-     exact (kernels.backward_with_shared_prefix), and activation checkpointing stays off. One
-     batch of 4 retail conversations, forward+backward on 2 cores: 36 s, vs 55 s with the prompt
-     run per conversation and 73 s with that plus checkpointing (--grad-checkpointing on: 5.9
-     instead of 9.1 GB peak); same loss to 5 digits (`python sft.py --bench` prints all three).
-     Checkpoints (adapter, optimizer, scheduler, step, RNG) every --save-every steps; rerunning
-     the same command resumes from the latest one. Final adapter: <out>/adapter (rl.py's --init).
+  1. Data. An agent talks to the simulated user through rollout.run_episodes (the same loop and token
+     format as RL) on train-split tasks. The agent is the OracleAgent below (follows the task's gold
+     actions in one short, fixed style: ask for missing facts, look up, ask to confirm naming every
+     value, act on a yes, report) or any OpenAI-compatible teacher model (--teacher). Only reward == 1
+     conversations are kept: <out>/data.jsonl (OpenAI format: messages + tools), <out>/tokens.jsonl
+     (the exact token_ids / loss_mask we train on, never decoded and re-tokenized), data_stats.json.
+  2. SFT. LoRA on all linear projections (QLoRA with --load-in-4bit). Loss = mean negative log-prob
+     over loss_mask tokens (the agent's text and tool calls with their end-of-turn; system, user and
+     tool tokens count for nothing), through kernels.sequence_logprobs as in rl.py. AdamW, linear
+     warmup then cosine decay, gradient accumulation. A batch holds one domain, whose system prompt
+     goes through the model once per batch with an exact gradient (kernels.backward_with_shared_prefix;
+     `python sft.py --bench` times it against the per-conversation pass). Checkpoints every
+     --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
 Run
-  python sft.py                          # CPU preset (7 min on 2 cores) -> runs/sft/adapter
-  python sft.py --smoke --out /tmp/sft   # 1 step on real data, used by tests/test_sft.py
-  python sft.py --eval-tasks 10          # + pass^1 of base vs SFT on held-out test tasks (eval.py's
-                                         #   settings; or run `python eval.py --agents base,sft`)
+  python sft.py                          # CPU preset -> runs/sft/adapter (sized for ~10 min on 2 cores)
+  python sft.py --smoke --out /tmp/sft   # 1 step on real data (tests/test_sft.py)
   python sft.py --teacher gpt-4o         # an LLM teacher makes the data (any OpenAI-compatible server:
                                          #   --teacher-base-url http://localhost:8000/v1; key: $OPENAI_API_KEY)
   python sft.py --model Qwen/Qwen3-8B --load-in-4bit    # on a GPU the "gpu" preset applies (below)
-  Rerun the same command after a crash to resume; a different command needs another --out.
+  python eval.py --agents base,sft       # then: held-out pass^1 of base vs SFT
 
 Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
-  tuning      full fine-tuning, Qwen3 8-32B -> LoRA r=16, alpha=32 on all linear layers, SmolLM2-135M (CPU) or
-              any HF model in 4-bit (GPU). rl.py's KL reference is this model with the adapter
-              switched off, so SFT and RL share one frozen base; and full FT's fp32 Adam state
-              would not fit 4-bit weights.
-  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: 20 per
-              easy-tier scenario (retail cancel_order, airline add_bags) = 40. Why only the easy tier
-              on CPU: 10 minutes on 2 cores buy ~50 conversations (~10 s each, two to a batch).
-              Spread over all 12 scenarios (--tiers easy,medium,hard --tasks-per-scenario 4: 48
-              conversations, 24 steps) the adapter learned the call format and the lookups but chose
-              wrong writes, and solved 0 of 16 held-out easy episodes, as the base model; 40 easy ones
-              solved 2 of 24 (README). The easy tier is also what rl.py's CPU preset trains on.
+  tuning      full fine-tuning, Qwen3 8-32B -> LoRA r=16, alpha=32 on all linear layers (4-bit base on GPU);
+              full FT's fp32 Adam state would not fit a consumer GPU.
+  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: the two
+              easy-tier scenarios (retail cancel_order, airline add_bags), the tier rl.py's CPU preset
+              trains on: 10 minutes on 2 cores buy a few dozen conversations, too few to cover 12.
   epochs      2 -> gpu 2; cpu 1 (new tasks rather than repeats: more ids for the agent to copy).
-  batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2 (1 x 2): with 40 conversations, 128 would
-              be less than one step; more, smaller steps are what a short run needs.
-  lr          5e-6 -> gpu 1e-4, cpu 1e-3: a LoRA delta starts at zero and, with alpha/r = 2,
-              needs a 10-100x larger lr than full fine-tuning; the CPU run has only 20 steps.
+  batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2: a short run needs more, smaller steps.
+  lr          5e-6 -> gpu 1e-4, cpu 1e-3: a LoRA delta starts at zero and, with alpha/r = 2, needs a
+              10-100x larger lr than full fine-tuning; the CPU run has few steps.
   schedule    (not stated) -> 10% linear warmup (>= 1 step), cosine decay to 0; AdamW, no weight decay,
               grad-norm clip 1.0.
   max length  (not stated) -> gpu 8192, cpu 4096: whole conversations, never truncated in practice.
-Simplifications: template phrasing for the oracle (the paper synthesized with LLMs); the scripted
-user stands in for GPT-4o; no sequence packing (micro-batches are right-padded; micro-batch 1 on CPU).
+Simplifications: template phrasing for the oracle (the paper synthesized with LLMs); the scripted user
+stands in for GPT-4o; no sequence packing (micro-batches are right-padded).
 """
 import argparse
 import json
@@ -76,9 +60,7 @@ from kernels import backward_with_shared_prefix, shared_prefix_len
 from rollout import TextAgent
 
 
-# Sizes by machine. CPU (2 cores): a batch of 2 conversations of one domain (~2,600 tokens each, the
-# first ~1,760 the shared system prompt) took 17-24 s of LoRA forward+backward (the first step 31-35 s);
-# 20 steps ran in 7 min 4 s with loading. The docstring says why the CPU run spends its budget on the easy tier.
+# Sizes by machine: cpu is sized for ~10 minutes on 2 cores (README), gpu follows the paper's data size.
 ALL_TIERS = "easy,medium,hard"
 PRESETS = {
     "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
