@@ -105,6 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
     p.add_argument("--user", default="scripted", help="user simulator: scripted | openai:MODEL | local | none")
     p.add_argument("--max-turns", type=int, default=30, help="max agent turns per conversation")
+    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
     p.add_argument("--teacher", default=None, help="an OpenAI-compatible model as the agent instead of the oracle "
                                                    "(key from $OPENAI_API_KEY)")
     p.add_argument("--teacher-base-url", default=None, help="base URL of the teacher's server (default: OpenAI)")
@@ -304,7 +305,7 @@ def make_data(args, tokenizer) -> list[dict]:
             tasks = [t for t in envs.make_tasks(domain, "train", n, seed=args.seed) if t.tier in args.tiers.split(",")]
             trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
                                          user=args.user, max_turns=args.max_turns, seed=args.seed,
-                                         progress=True)
+                                         progress=True, user_workers=args.user_workers)
             tools = envs.tool_schemas(domain)
             for t in trajs:
                 tried[f"{domain}/{t.scenario}"] += 1
