@@ -13,7 +13,7 @@ Run:
     python rl.py --user none            # ablation: whole instruction up front, no user turns
     python rl.py --reward shaped        # ablation: partial credit for correct writes
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale
-    python rl.py --memory-check         # GPU only: Qwen3-8B shapes, random NF4 weights, one step, peak memory
+    python rl.py --memory-check         # Qwen3-8B shapes, random NF4 weights, one step, peak GPU memory (CPU: tiny shapes)
 Everything goes under --out (default runs/rl): args.json, metrics.jsonl, rl.png, checkpoints
 (ckpt-NNNNNN/: adapter + optimizer + step + RNG states + metrics), and adapter/ at the end.
 Killed and restarted with the same --out, a run resumes from its latest checkpoint (steps

@@ -107,10 +107,11 @@ def load_model(name: str = DEFAULT_MODEL, load_in_4bit: bool = False):
 
 
 def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0):
-    """Wrap model in a LoRA PeftModel on all linear projections (attention and MLP)."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    if getattr(model, "is_loaded_in_4bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    """Wrap model in a LoRA PeftModel on all linear projections (attention and MLP); the base is frozen.
+    No peft.prepare_model_for_kbit_training for 4-bit models: it casts every parameter that is not 4-bit
+    (embeddings, lm_head, norms) to fp32, 2.3 GiB more for Qwen3-8B's embeddings and lm_head and an
+    fp32 residual stream; bf16 compute needs neither (README, the 24 GB budget)."""
+    from peft import LoraConfig, get_peft_model
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                                             target_modules="all-linear", task_type="CAUSAL_LM"))
 
@@ -288,7 +289,8 @@ class ModelAgent:
     kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
     KV_RESERVE for the training step, on CPU no limit). When a round needs more than one wave, the rows'
     keys/values are not kept for the next round (they would not fit beside a wave): only the shared
-    prefix is, and each row is prefilled again from it. Greedy decoding gives the same turns either way."""
+    prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
+    either way (tests/test_rollout.py)."""
 
     KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak (README budget)
 
@@ -344,7 +346,7 @@ class ModelAgent:
             cache, prefix, logits = self._prefill_wave([rows[i] for i in wave], P)
             if len(self.waves) == 1:                  # every row's remembered keys/values now sit in `cache`
                 self.memo = []
-            done, kept = self._sample([rows[i] for i in wave], P, cache, prefix, logits)
+            done, kept = self._sample([rows[i] for i in wave], P, cache, prefix, logits, remember=len(self.waves) == 1)
             for i, out in zip(wave, done):
                 outs[i] = out
             memo += kept
@@ -369,10 +371,10 @@ class ModelAgent:
             logits.append(last)
         return cache, prefix, torch.stack(logits).float()
 
-    def _sample(self, rows, P, cache, prefix, logits):
+    def _sample(self, rows, P, cache, prefix, logits, remember: bool):
         """Decode all rows together until each samples end-of-turn or max_new_tokens. The attention mask
         hides the left padding; positions count the row's own tokens. -> ([(new ids, log-probs)] per row,
-        memo entries: each row's ids + sampled tokens but the last, with their keys/values)."""
+        if remember, memo entries: each row's ids + sampled tokens but the last, with their keys/values)."""
         eot, T, dev = self.fmt.end_of_turn_id, self.temperature, self.model.device
         n, B, room = [len(r) for r in rows], len(rows), self.max_new_tokens
         L = max(n) - P
@@ -390,7 +392,7 @@ class ModelAgent:
                     new[i].append(t)
                     lps[i].append(p)
                 done = ((tok == eot) | (s == room - 1)).cpu()
-                for j in done.nonzero()[:, 0].tolist():   # remember its KV: row + all sampled tokens but the last
+                for j in done.nonzero()[:, 0].tolist() if remember else []:   # its KV: row + sampled tokens but the last
                     i = int(live[j])
                     own = slice(L + P - n[i], L + s)
                     memo[i] = (torch.cat([rows[i], torch.tensor(new[i][:-1], dtype=torch.long)]),
@@ -409,7 +411,7 @@ class ModelAgent:
                                     shared_prefix=prefix if P else None).logits[:, -1].float()
         finally:
             self.model.config._attn_implementation = impl
-        return list(zip(new, lps)), memo
+        return list(zip(new, lps)), memo if remember else []
 
 
 class TextAgent:

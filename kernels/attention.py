@@ -50,8 +50,12 @@ class KVBuffer(DynamicLayer):
         self.keys, self.values = self.k[:, :, :self.n], self.v[:, :, :self.n]
         return self.keys, self.values
 
-    def select(self, rows: torch.Tensor):                                # drop rows that finished
-        self.k, self.v = self.k[rows], self.v[rows]
+    def select(self, rows: torch.Tensor):
+        """Keep only `rows` (ascending), moved up in place one row at a time: no second buffer."""
+        for j, r in enumerate(rows.tolist()):
+            if r != j:
+                self.k[j], self.v[j] = self.k[r], self.v[r]
+        self.k, self.v = self.k[:len(rows)], self.v[:len(rows)]
         self.keys, self.values = self.k[:, :, :self.n], self.v[:, :, :self.n]
 
 
@@ -76,17 +80,17 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> list[list[int]]:
     """Rows (indices) in waves to decode one after the other, each fitting `budget` cache tokens (None: no limit).
     own[i]: row i's tokens after the `prefix` tokens all rows share; room: tokens a row may still sample.
-    A wave of b rows, the longest with L own tokens, holds at its peak: the shared prefix (once); the
-    (b, L + room) decode buffer, and as much again for the copies of finished rows kept for the next
-    round and for the buffer's shrink when rows finish; and the row being prefilled (prefix + L).
-    Everything in one wave keeps the rows' order; else longest rows first, so a wave pads little.
+    A wave of b rows, the longest with L own tokens, holds the shared prefix (once), the row being
+    prefilled (prefix + L) and the (b, L + room) decode buffer. If all rows fit in one wave with as much
+    again for the copies of finished rows kept for the next round, they go together, in order. Else no
+    copies are kept (ModelAgent), and the waves take the longest rows first, so a wave pads little.
     A row that alone exceeds the budget still gets a wave of its own."""
-    cost = lambda b, L: 2 * prefix + L + 2 * b * (L + room)              # noqa: E731
-    if budget is None or not own or cost(len(own), max(own)) <= budget:
+    cost = lambda b, L, copies: 2 * prefix + L + (1 + copies) * b * (L + room)   # noqa: E731
+    if budget is None or not own or cost(len(own), max(own), 1) <= budget:
         return [list(range(len(own)))]
     waves = []
     for i in sorted(range(len(own)), key=lambda i: -own[i]):
-        if waves and cost(len(waves[-1]) + 1, own[waves[-1][0]]) <= budget:   # its first row is its longest
+        if waves and cost(len(waves[-1]) + 1, own[waves[-1][0]], 0) <= budget:   # its first row is its longest
             waves[-1].append(i)
         else:
             waves.append([i])
