@@ -287,8 +287,8 @@ class ModelAgent:
 
     Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
     kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
-    KV_RESERVE for the training step, on CPU no limit). When a round needs more than one wave, the rows'
-    keys/values are not kept for the next round (they would not fit beside a wave): only the shared
+    KV_RESERVE for the training step, on CPU no limit). When the rows' keys/values would not fit a
+    second time beside the wave (their copies for the next round), they are not kept: only the shared
     prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
     either way (tests/test_rollout.py)."""
 
@@ -299,7 +299,7 @@ class ModelAgent:
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
         self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
-        self.waves = []                       # the last act()'s waves (row indices), for logs and tests
+        self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
 
     def budget_tokens(self) -> int | None:
         """How many tokens of keys/values the agent may hold at once (None: no limit)."""
@@ -336,21 +336,21 @@ class ModelAgent:
             self.memo, self.version = [], version
         # the prefix every row shares: prefilled once (and remembered) if not cached yet
         P = max(0, min(min(_common_prefix(rows[0], r) for r in rows), min(map(len, rows)) - 1))
-        self.waves = plan_waves([len(r) - P for r in rows], P, self.max_new_tokens, self.budget_tokens())
-        if len(self.waves) > 1:                       # keep only entries within the shared prefix
+        self.waves, self.keeps_rows = plan_waves([len(r) - P for r in rows], P, self.max_new_tokens, self.budget_tokens())
+        if not self.keeps_rows:                       # keep only entries within the shared prefix
             self.memo = [m for m in self.memo if len(m[0]) <= P]
         if len(rows) > 1 and P and any(self._cached(r)[0] < P for r in rows):
             self.memo.append((rows[0][:P], [[kv] for kv in self._prefill(rows[0][:P])[0]]))
         outs, memo = [None] * len(rows), []
         for wave in self.waves:
             cache, prefix, logits = self._prefill_wave([rows[i] for i in wave], P)
-            if len(self.waves) == 1:                  # every row's remembered keys/values now sit in `cache`
+            if self.keeps_rows:                       # (one wave) every row's remembered keys/values are in `cache`
                 self.memo = []
-            done, kept = self._sample([rows[i] for i in wave], P, cache, prefix, logits, remember=len(self.waves) == 1)
+            done, kept = self._sample([rows[i] for i in wave], P, cache, prefix, logits, remember=self.keeps_rows)
             for i, out in zip(wave, done):
                 outs[i] = out
             memo += kept
-        if len(self.waves) == 1:
+        if self.keeps_rows:
             self.memo = memo
         self.model.train(was_training)
         return outs

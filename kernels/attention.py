@@ -77,24 +77,25 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return config.num_hidden_layers * kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
 
 
-def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> list[list[int]]:
-    """Rows (indices) in waves to decode one after the other, each fitting `budget` cache tokens (None: no limit).
+def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tuple[list[list[int]], bool]:
+    """(waves, keep): rows (indices) in waves to decode one after the other, each fitting `budget` cache
+    tokens (None: no limit), and whether the rows' caches may be kept for the next round.
     own[i]: row i's tokens after the `prefix` tokens all rows share; room: tokens a row may still sample.
     A wave of b rows, the longest with L own tokens, holds the shared prefix (once), the row being
     prefilled (prefix + L) and the (b, L + room) decode buffer. If all rows fit in one wave with as much
-    again for the copies of finished rows kept for the next round, they go together, in order. Else no
-    copies are kept (ModelAgent), and the waves take the longest rows first, so a wave pads little.
+    again for the copies of their caches kept for the next round: one wave, in order, keep. Else no
+    copies (keep False), and the waves take the longest rows first, so a wave pads little.
     A row that alone exceeds the budget still gets a wave of its own."""
     cost = lambda b, L, copies: 2 * prefix + L + (1 + copies) * b * (L + room)   # noqa: E731
     if budget is None or not own or cost(len(own), max(own), 1) <= budget:
-        return [list(range(len(own)))]
+        return [list(range(len(own)))], True
     waves = []
     for i in sorted(range(len(own)), key=lambda i: -own[i]):
         if waves and cost(len(waves[-1]) + 1, own[waves[-1][0]], 0) <= budget:   # its first row is its longest
             waves[-1].append(i)
         else:
             waves.append([i])
-    return waves
+    return waves, False
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kw):

@@ -153,19 +153,20 @@ def test_sft_rl_eval_run_on_tiny_qwen3_in_4bit_with_checkpointing(qwen3_dir, tmp
     monkeypatch.setattr(rollout, "run_episodes", run_and_score)
     env, tok = envs.Env(cancel_task()), loaded[0][1]
     P = len(ChatFormat(tok).prompt_ids(env.policy, "", env.tools))           # about the prefix the rows share
-    budget = (2 * P + 500) * kv_bytes_per_token(loaded[0][0].config, torch.float32)   # once rows grow: < 4 a wave
+    budget = (2 * P + 300) * kv_bytes_per_token(loaded[0][0].config, torch.float32)   # once rows grow: < 4 a wave
     metrics = rl.main(["--smoke", "--init", str(tmp_path / "sft" / "adapter"), "--out", str(tmp_path / "rl"),
-                       "--grad-checkpointing", "on", "--group-size", "4", "--max-turns", "2", "--max-new-tokens", "6",
+                       "--grad-checkpointing", "on", "--steps", "1", "--group-size", "4", "--max-turns", "2",
+                       "--max-new-tokens", "6",
                        "--kv-budget", str(budget / 2**30), *model])
     print("rl:", [(m["reward"], m["train_tokens"], round(m["grad_norm"], 4)) for m in metrics], "waves per round:", waves)
-    assert len(metrics) == 2 and sum(m["train_tokens"] for m in metrics) > 0 and any(m["grad_norm"] > 0 for m in metrics)
+    assert len(metrics) == 1 and metrics[0]["train_tokens"] > 0 and metrics[0]["grad_norm"] > 0
     assert max(waves) > 1
     assert json.load(open(tmp_path / "rl" / "args.json"))["grad_checkpointing"] == "on"
     monkeypatch.setattr(rollout, "run_episodes", run)
-    results = ev.main(["--smoke", "--agents", f"base,{tmp_path / 'rl' / 'adapter'}", "--out", str(tmp_path / "eval"),
+    results = ev.main(["--smoke", "--agents", str(tmp_path / "rl" / "adapter"), "--out", str(tmp_path / "eval"),
                        "--domains", "retail", *model])
-    assert len(results) == 2 and (tmp_path / "eval" / "results.md").exists()
-    assert len(loaded) == 4                                      # sft, rl, eval's two agents
+    assert len(results) == 1 and (tmp_path / "eval" / "results.md").exists()
+    assert len(loaded) == 3                                      # sft, rl, eval
     for m, _ in loaded:
         base = m.get_base_model() if hasattr(m, "get_base_model") else m
         assert type(base.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
