@@ -438,7 +438,8 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     cuda = device == "cuda"
-    weights_gib = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else \
+        sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
     torch.cuda.reset_peak_memory_stats() if cuda else None
     g = torch.Generator().manual_seed(0)
     trajs = []
@@ -456,7 +457,8 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
     print(f"memory-check ({device}): {config.num_hidden_layers} layers x {config.hidden_size} NF4+LoRA, {n_seq}x{seq_len} "
           f"tokens, one GRPO step: weights {weights_gib:.2f} GiB, peak {peak:.2f} GiB "
           f"({'allocated' if cuda else 'process RSS'}; target <= 20 at Qwen3-8B shapes), {time.time() - t0:.0f} s, "
-          f"{st['tokens']} trained tokens, grad norm {st['grad_norm']:.3f}, KV {kv / 1024:.1f} KiB/token")
+          f"{st['tokens']} trained tokens, grad norm {st['grad_norm']:.3f}, KV {kv / 1024:.1f} KiB/token"
+          + (f" -> {'OK' if peak <= 20 else 'OVER'}" if cuda else ""))
     return dict(weights_gib=weights_gib, peak_gib=peak, grad_norm=st["grad_norm"], tokens=st["tokens"], kv_bytes=kv)
 
 

@@ -201,11 +201,13 @@ class ChatFormat:
     def delta_ids(self, role: str, content: str) -> list[int]:
         """Tokens to append after a sampled assistant turn (which ends with end-of-turn):
         the rest of that turn's closing text, the user/tool turn, and the next assistant header."""
-        if self.native:   # render an assistant turn and this one, keep what follows the assistant's end-of-turn
+        if self.native:
+            # render an assistant turn, then this one; keep what follows the assistant turn's end-of-turn.
+            # How the template writes that assistant turn (Qwen3's drops its think block) does not matter.
             msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": self.SENTINEL},
                     {"role": role, "content": content}]
-            text = self._template(msgs, add_generation_prompt=True)   # how the template writes that assistant turn
-            cut = text.index(self.end_of_turn, text.index(self.SENTINEL)) + len(self.end_of_turn)   # does not matter
+            text = self._template(msgs, add_generation_prompt=True)
+            cut = text.index(self.end_of_turn, text.index(self.SENTINEL)) + len(self.end_of_turn)
             return self._ids(text[cut:])
         return self._ids("\n" + self._turn(role, content) + "<|im_start|>assistant\n")
 
