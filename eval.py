@@ -77,6 +77,10 @@ def parse_args(argv=None):
     p.add_argument("--openai-base-url", default=None, help="base URL for openai:MODEL agents (default: OpenAI)")
     p.add_argument("--user", default="scripted", help="user simulator: scripted | local | openai:MODEL | none")
     p.add_argument("--user-base-url", default=None, help="base URL for an openai:MODEL user")
+    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
+    p.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold; it decodes "
+                   "in waves that fit (0 = auto: free GPU memory minus a reserve; CPU: no limit)")
+    p.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (default off, as in the paper)")
     p.add_argument("--domains", default="retail,airline", help="comma-separated test domains")
     p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
     p.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated (preset: cpu easy)")
@@ -177,7 +181,8 @@ def build_agent(spec: str, args):
     if adapter is not None:
         model = rollout.load_adapter(model, adapter)
     model.eval()
-    agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
     return agent, tok, spec
 
 
@@ -313,7 +318,7 @@ def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_cont
     the agent calls functions (executed on BFCL's API classes) until it answers in text or runs out
     of steps. Returns per entry {"id", "decoded" (per turn, per step, python calls), "messages", ...}."""
     _, utils, *_ = _bfcl()
-    fmt, name = rollout.ChatFormat(tokenizer), f"mua_{os.getpid()}_{next(_RUN_IDS)}"
+    fmt, name = getattr(agent, "fmt", None) or rollout.ChatFormat(tokenizer), f"mua_{os.getpid()}_{next(_RUN_IDS)}"
     max_new = getattr(agent, "max_new_tokens", 256)
     convs = []
     for e in entries:
@@ -468,6 +473,7 @@ def main(argv=None):
     import envs
     tasks = envs.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
     user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else {}
+    user_kw["user_workers"] = args.user_workers        # run_episodes' own: how many users it asks at once
     results = {}
     for spec in args.agents.split(","):
         built = build_agent(spec.strip(), args)

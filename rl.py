@@ -15,7 +15,7 @@ Run:
     python rl.py --user local           # ablation: another user simulator (the base model plays the user)
     python rl.py --reward shaped        # ablation: partial credit for correct writes
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale
-    python rl.py --memory-check         # GPU: Qwen3-8B shapes, random NF4 weights, one step, peak memory
+    python rl.py --memory-check         # Qwen3-8B shapes, random NF4 weights, one step, peak GPU memory (CPU: tiny shapes)
 Everything goes under --out (default runs/rl): args.json, metrics.jsonl, rl.png, reference/ (the
 starting adapter), checkpoints (ckpt-NNNNNN/: adapter, optimizer, RNG states, metrics) and adapter/ at
 the end. Rerun the same command after a kill: it resumes from the latest checkpoint.
@@ -71,6 +71,11 @@ def parse_args(argv=None):
     p.add_argument("--user", default="scripted", help="user simulator: scripted | local (the base model, "
                    "adapter off) | openai:MODEL | none (whole instruction up front, no user turns)")
     p.add_argument("--user-base-url", default=None, help="base URL for an openai:MODEL user (default $OPENAI_BASE_URL)")
+    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
+    p.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the rollout sampler may hold; it "
+                   "decodes in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no limit)")
+    p.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (default off, as in the paper): the "
+                   "policy writes and is trained on its <think> reasoning")
     p.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward")
     p.add_argument("--domains", default="retail,airline", help="comma-separated train domains")
     p.add_argument("--task-pool", type=int, default=200, help="train tasks generated per domain to sample from")
@@ -108,7 +113,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="runs/rl", help="output dir (everything this run writes)")
     p.add_argument("--smoke", action="store_true", help="2 tiny steps (< 2 min on CPU)")
     p.add_argument("--cpu-preset", default="auto", choices=["auto", "on", "off"], help="auto = on without a GPU")
-    p.add_argument("--memory-check", action="store_true", help="GPU: one paper-scale step on random Qwen3-8B shapes")
+    p.add_argument("--memory-check", action="store_true", help="one paper-scale GRPO step on random Qwen3-8B shapes in "
+                   "NF4, peak memory (GPU); without a GPU the same step at tiny shapes on CPU")
     args = p.parse_args(argv)
     cpu = args.cpu_preset == "on" or (args.cpu_preset == "auto" and not torch.cuda.is_available())
     preset = SMOKE if args.smoke else CPU_PRESET if cpu else GPU_DEFAULTS
@@ -320,7 +326,9 @@ def load_policy(args, model):
 def heldout_pass1(model, tok, tasks, args, user_kw) -> float:
     """pass^1 of the greedy policy on fixed held-out tasks, one batch per domain (eval.py's settings)."""
     import rollout
-    agent, solved = rollout.ModelAgent(model, tok, temperature=0.0, max_new_tokens=args.max_new_tokens), 0
+    agent = rollout.ModelAgent(model, tok, temperature=0.0, max_new_tokens=args.max_new_tokens,
+                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
+    solved = 0
     model.eval()
     for domain in dict.fromkeys(t.domain for t in tasks):
         trajs = rollout.run_episodes(agent, tok, [t for t in tasks if t.domain == domain], user=args.user,
@@ -335,9 +343,10 @@ def heldout_pass1(model, tok, tasks, args, user_kw) -> float:
 def main(argv=None):
     args = parse_args(argv)
     if args.memory_check:
-        if not torch.cuda.is_available():
-            sys.exit("--memory-check needs a CUDA GPU (Qwen3-8B shapes in 4-bit); none found on this machine.")
-        return memory_check()
+        if torch.cuda.is_available():
+            return memory_check()
+        print("--memory-check: no GPU here, so the same step runs at tiny Qwen3 shapes on CPU (the code path, not the numbers)")
+        return memory_check(qwen3_shapes(tiny=True), seq_len=256, n_seq=2, device="cpu")
     import envs
     import rollout
     import users
@@ -372,10 +381,12 @@ def main(argv=None):
              for d in domains}
     heldout = envs.held_out_tasks(domains, args.eval_skip + args.eval_tasks, tiers, args.seed)
     heldout = [t for d in domains for t in [t for t in heldout if t.domain == d][args.eval_skip:]]
-    agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else \
         {"model": model, "tokenizer": tok} if args.user == "local" else {}
+    user_kw["user_workers"] = args.user_workers        # run_episodes' own: how many users it asks at once
 
     def log(m):
         metrics.append(m)
@@ -450,36 +461,56 @@ def main(argv=None):
     return metrics
 
 
-# ---------------------------------------------------------------- paper-scale memory check (GPU)
+# ---------------------------------------------------------------- paper-scale memory check
 
-def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
-    """One GRPO step at paper scale: Qwen3-8B shapes with random weights, NF4 + LoRA,
-    8 sequences x 8k tokens, gradient checkpointing, micro-batch 1. Prints peak GPU memory.
-    (config/seq_len/device exist so the code path can be tried on CPU with tiny shapes.)"""
+def qwen3_shapes(tiny: bool = False):
+    """Qwen3-8B's config (random weights are all a memory check needs), or the same architecture at toy size."""
+    from transformers import Qwen3Config
+    if tiny:
+        return Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+
+
+def nf4_lora_model(config, device):
+    """Random weights of `config` with every decoder Linear in bitsandbytes NF4 (quantized as it moves to
+    `device`), embeddings and lm_head in the compute dtype, LoRA r16 on all linear projections."""
     import bitsandbytes as bnb
-    from types import SimpleNamespace
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
     import rollout
-    config = config or Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                   num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                                   head_dim=128, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)   # on CPU, random weights
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)      # on CPU, random weights
 
-    def to_nf4(module):        # every decoder Linear -> bnb NF4; quantized when moved to the GPU
+    def to_nf4(module):
         for name, child in module.named_children():
             if isinstance(child, torch.nn.Linear):
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=torch.bfloat16, quant_type="nf4")
+                                      compute_dtype=dtype, quant_type="nf4")
                 q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                q.bias = child.bias
                 setattr(module, name, q)
             else:
                 to_nf4(child)
     to_nf4(model.model.layers)
-    model = rollout.add_lora(model.to(device), r=16, alpha=32)
+    return rollout.add_lora(model.to(device), r=16, alpha=32)
+
+
+def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
+    """One GRPO step at paper scale: Qwen3-8B shapes with random weights, NF4 + LoRA r16, n_seq sequences
+    of seq_len tokens (loss on the second half), activation checkpointing, micro-batch 1. Prints the
+    weights' size and the step's peak memory (GPU: torch's allocator; CPU: the process's peak RSS).
+    On CPU main() runs it at tiny Qwen3 shapes: the same code path, numbers that say nothing about 8B."""
+    import resource
+    from types import SimpleNamespace
+    from kernels.attention import kv_bytes_per_token
+    config = config or qwen3_shapes()
+    model = nf4_lora_model(config, device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     cuda = device == "cuda"
-    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else \
+        sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
     torch.cuda.reset_peak_memory_stats() if cuda else None
     g = torch.Generator().manual_seed(0)
     trajs = []
@@ -492,11 +523,14 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     t0 = time.time()
     st = grpo_update(model, opt, trajs, adv, args, pad_id=0)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    print(f"memory-check: Qwen3-8B shapes NF4+LoRA, {n_seq}x{seq_len} tokens, one GRPO step: "
-          f"weights {weights_gib:.1f} GiB, peak {peak:.1f} GiB (target <= 20), {time.time() - t0:.0f} s, "
-          f"grad norm {st['grad_norm']:.3f} -> {'OK' if peak <= 20 else 'OVER'}")
-    return peak
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    kv = kv_bytes_per_token(config, model.get_input_embeddings().weight.dtype)
+    print(f"memory-check ({device}): {config.num_hidden_layers} layers x {config.hidden_size} NF4+LoRA, {n_seq}x{seq_len} "
+          f"tokens, one GRPO step: weights {weights_gib:.2f} GiB, peak {peak:.2f} GiB "
+          f"({'allocated' if cuda else 'process RSS'}; target <= 20 at Qwen3-8B shapes), {time.time() - t0:.0f} s, "
+          f"{st['tokens']} trained tokens, grad norm {st['grad_norm']:.3f}, KV {kv / 1024:.1f} KiB/token"
+          + (f" -> {'OK' if peak <= 20 else 'OVER'}" if cuda else ""))
+    return dict(weights_gib=weights_gib, peak_gib=peak, grad_norm=st["grad_norm"], tokens=st["tokens"], kv_bytes=kv)
 
 
 if __name__ == "__main__":

@@ -32,15 +32,17 @@ import tempfile
 import time
 import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 import envs
-from kernels.attention import KVBuffer, first_tokens
-from users import STOP, make_user, visible_text
+from kernels.attention import KVBuffer, first_tokens, kv_bytes_per_token, plan_waves
+from users import STOP, make_user, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # bf16 matmuls are slow on these CPUs
@@ -106,10 +108,11 @@ def load_model(name: str = DEFAULT_MODEL, load_in_4bit: bool = False):
 
 
 def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0):
-    """Wrap model in a LoRA PeftModel on all linear projections (attention and MLP)."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    if getattr(model, "is_loaded_in_4bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    """Wrap model in a LoRA PeftModel on all linear projections (attention and MLP); the base is frozen.
+    No peft.prepare_model_for_kbit_training for 4-bit models: it casts every parameter that is not 4-bit
+    (embeddings, lm_head, norms) to fp32, 2.3 GiB more for Qwen3-8B's embeddings and lm_head and an
+    fp32 residual stream; bf16 compute needs neither (README, the 24 GB budget)."""
+    from peft import LoraConfig, get_peft_model
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                                             target_modules="all-linear", task_type="CAUSAL_LM"))
 
@@ -147,17 +150,33 @@ def _template_renders_tools(tok) -> bool:
 
 
 class ChatFormat:
-    """Token deltas of the chat template, so the history is never decoded and re-tokenized."""
+    """Token deltas of the chat template, so the history is never decoded and re-tokenized.
 
-    def __init__(self, tokenizer):
+    thinking (Qwen3-style templates, which read enable_thinking): off, as in the paper, the template
+    ends every assistant header with an empty think block "<think>\n\n</think>\n\n"; it is prompt
+    (loss_mask 0) and the policy samples only its answer. On, the header stops at "assistant\n" and the
+    policy samples "<think>reasoning</think>\n\nanswer", all of it trained (loss_mask 1); users, the
+    reward and the tool-call parser read only the answer. Either way earlier turns stay exactly as
+    sampled: Qwen3's template would drop old think blocks when re-rendering; we never re-render."""
+
+    SENTINEL = "ASSISTANT-TURN-7f3a9c"   # marks where the sampled assistant turn sits in a rendering
+
+    def __init__(self, tokenizer, thinking: bool = False):
         self.tok = tokenizer
         self.native = _template_renders_tools(tokenizer)
+        if thinking and not (self.native and "enable_thinking" in str(tokenizer.chat_template)):
+            raise SystemExit("--thinking needs a chat template that reads enable_thinking (Qwen3's); "
+                             "this tokenizer's does not: drop --thinking")
+        self.thinking = thinking
         vocab = tokenizer.get_vocab()
         self.end_of_turn_id = vocab["<|im_end|>"] if "<|im_end|>" in vocab else tokenizer.eos_token_id
         self.end_of_turn = tokenizer.convert_ids_to_tokens(self.end_of_turn_id)
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False).input_ids
+
+    def _template(self, messages, **kw) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, enable_thinking=self.thinking, **kw)
 
     def _turn(self, role: str, content: str, truncated: bool = False) -> str:
         if role == "tool":                               # Qwen: tool results live in a user turn
@@ -167,7 +186,7 @@ class ChatFormat:
     def render(self, messages: list[dict]) -> str:
         """The conversation as text, for tests (a "truncated" assistant turn has no end-of-turn)."""
         if self.native:
-            return self.tok.apply_chat_template(messages, tokenize=False)
+            return self._template(messages)
         return "".join(self._turn(m["role"], m["content"], m.get("truncated", False)) for m in messages)
 
     def prompt_ids(self, system: str, first_user: str, tools: list[dict] | None = None) -> list[int]:
@@ -177,19 +196,20 @@ class ChatFormat:
             system = system_prompt(system, tools)
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": first_user}]
         if self.native:
-            return self._ids(self.tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True))
+            return self._ids(self._template(msgs, tools=tools, add_generation_prompt=True))
         return self._ids("".join(self._turn(m["role"], m["content"]) for m in msgs) + "<|im_start|>assistant\n")
 
     def delta_ids(self, role: str, content: str) -> list[int]:
         """Tokens to append after a sampled assistant turn (which ends with end-of-turn):
         the rest of that turn's closing text, the user/tool turn, and the next assistant header."""
-        if self.native:   # diff two renderings; cut the base right after its last end-of-turn
-            base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-            a = self.tok.apply_chat_template(base, tokenize=False)
-            b = self.tok.apply_chat_template(base + [{"role": role, "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-            cut = a.rindex(self.end_of_turn) + len(self.end_of_turn)
-            return self._ids(b[cut:])
+        if self.native:
+            # render an assistant turn, then this one; keep what follows the assistant turn's end-of-turn.
+            # How the template writes that assistant turn (Qwen3's drops its think block) does not matter.
+            msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": self.SENTINEL},
+                    {"role": role, "content": content}]
+            text = self._template(msgs, add_generation_prompt=True)
+            cut = text.index(self.end_of_turn, text.index(self.SENTINEL)) + len(self.end_of_turn)
+            return self._ids(text[cut:])
         return self._ids("\n" + self._turn(role, content) + "<|im_start|>assistant\n")
 
 
@@ -198,8 +218,9 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
     """([{"name", "arguments"}, ...], error). Calls are read in order up to the first malformed one;
-    error describes that one (or None). The rollout executes only calls[0]."""
-    calls, pos = [], 0
+    error describes that one (or None). A think block is reasoning, not a call: skipped.
+    The rollout executes only calls[0]."""
+    text, calls, pos = without_think(text), [], 0
     while (start := text.find("<tool_call>", pos)) != -1:
         m = _CALL.match(text, start)
         if m is None:
@@ -266,12 +287,33 @@ class ModelAgent:
     between rounds (the next round prefills just the user/tool turn appended since), and the prefix all
     conversations share (the ~1.8k-token system prompt) is prefilled once, stored once and, while
     decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
-    weights change (an optimizer step bumps the parameters' _version counters)."""
+    weights change (an optimizer step bumps the parameters' _version counters).
 
-    def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256):
-        self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer)
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+    Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
+    kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
+    KV_RESERVE for the training step, on CPU no limit). When the rows' keys/values would not fit a
+    second time beside the wave (their copies for the next round), they are not kept: only the shared
+    prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
+    either way (tests/test_rollout.py)."""
+
+    KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak (README budget)
+
+    def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
+                 kv_budget: int | None = None, thinking: bool = False):
+        self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
+        self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
+        self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
+
+    def budget_tokens(self) -> int | None:
+        """How many tokens of keys/values the agent may hold at once (None: no limit)."""
+        if self.kv_budget is None and self.model.device.type == "cuda":     # once, before any cache exists
+            free = torch.cuda.mem_get_info(self.model.device)[0] + torch.cuda.memory_reserved() \
+                - torch.cuda.memory_allocated()                              # + what torch holds unused
+            self.kv_budget = max(0, free - self.KV_RESERVE)
+        if self.kv_budget is None:
+            return None
+        return self.kv_budget // kv_bytes_per_token(self.model.config, self.model.get_input_embeddings().weight.dtype)
 
     def _cached(self, ids: torch.Tensor) -> tuple[int, list]:
         """(c, kv): the longest prefix of ids the memo holds, leaving >= 1 token to feed, and its KV."""
@@ -283,7 +325,7 @@ class ModelAgent:
         """Feed ids after their cached prefix (batch 1: no padding). -> (per layer (k, v) of all ids
         as one piece, each (1, kv_heads, n, hd); logits of the last token (V,))."""
         c, kv = self._cached(ids)
-        cache = Cache(layers=[KVBuffer([pieces], c, len(ids) - c) for pieces in kv]) if c else None
+        cache = Cache(layers=[KVBuffer(1, pieces[0][0], c, len(ids) - c).put(0, pieces) for pieces in kv]) if c else None
         out = self.model(input_ids=ids[None, c:].to(self.model.device), logits_to_keep=1,
                          past_key_values=cache)                          # positions continue from c
         return [(layer.keys, layer.values) for layer in out.past_key_values.layers], out.logits[0, -1]
@@ -291,27 +333,58 @@ class ModelAgent:
     @torch.no_grad()
     def act(self, batch):
         rows = [torch.tensor(ids) for _, _, ids in batch]
-        was_training, eot, T = self.model.training, self.fmt.end_of_turn_id, self.temperature
+        was_training = self.model.training
         self.model.eval()
         version = sum(p._version for p in self.model.parameters())
         if version != self.version:
             self.memo, self.version = [], version
         # the prefix every row shares: prefilled once (and remembered) if not cached yet
         P = max(0, min(min(_common_prefix(rows[0], r) for r in rows), min(map(len, rows)) - 1))
+        self.waves, self.keeps_rows = plan_waves([len(r) - P for r in rows], P, self.max_new_tokens, self.budget_tokens())
+        if not self.keeps_rows:                       # keep only entries within the shared prefix
+            self.memo = [m for m in self.memo if len(m[0]) <= P]
         if len(rows) > 1 and P and any(self._cached(r)[0] < P for r in rows):
             self.memo.append((rows[0][:P], [[kv] for kv in self._prefill(rows[0][:P])[0]]))
-        kvs, logits = zip(*(self._prefill(r) for r in rows))
-        # decode all rows together. The shared prefix's keys/values are kept once; row i's own part
-        # (n_i - P tokens) sits left-padded in a (B, L + room) buffer. The attention mask hides the
-        # padding; positions count the row's own tokens.
-        prefix = [(k[:, :, :P], v[:, :, :P]) for k, v in kvs[0]]
-        B, L, room = len(rows), max(map(len, rows)) - P, self.max_new_tokens
-        cache = Cache(layers=[KVBuffer([[(k[:, :, P:], v[:, :, P:])] for k, v in (kv[l] for kv in kvs)], L, room)
-                              for l in range(len(prefix))])
-        n, dev = [len(r) for r in rows], self.model.device
+        outs, memo = [None] * len(rows), []
+        for wave in self.waves:
+            cache, prefix, logits = self._prefill_wave([rows[i] for i in wave], P)
+            if self.keeps_rows:                       # (one wave) every row's remembered keys/values are in `cache`
+                self.memo = []
+            done, kept = self._sample([rows[i] for i in wave], P, cache, prefix, logits, remember=self.keeps_rows)
+            for i, out in zip(wave, done):
+                outs[i] = out
+            memo += kept
+        if self.keeps_rows:
+            self.memo = memo
+        self.model.train(was_training)
+        return outs
+
+    def _prefill_wave(self, rows: list[torch.Tensor], P: int):
+        """Prefill each row after what the memo holds, straight into a decode cache. The shared prefix's
+        keys/values are kept once (1, kv_heads, P, hd) per layer; row i's own part (n_i - P tokens) sits
+        left-padded in a (B, L + room) buffer. -> (cache, prefix, logits of each row's last token (B, V))."""
+        B, L = len(rows), max(map(len, rows)) - P
+        cache, prefix, logits = None, None, []
+        for i, r in enumerate(rows):
+            kv, last = self._prefill(r)
+            if cache is None:                         # a copy, so this row's full keys/values can go
+                prefix = [(k[:, :, :P].clone(), v[:, :, :P].clone()) for k, v in kv]
+                cache = Cache(layers=[KVBuffer(B, k, L, self.max_new_tokens) for k, _ in kv])
+            for layer, (k, v) in zip(cache.layers, kv):
+                layer.put(i, [(k[:, :, P:], v[:, :, P:])])
+            logits.append(last)
+        return cache, prefix, torch.stack(logits).float()
+
+    def _sample(self, rows, P, cache, prefix, logits, remember: bool):
+        """Decode all rows together until each samples end-of-turn or max_new_tokens. The attention mask
+        hides the left padding; positions count the row's own tokens. -> ([(new ids, log-probs)] per row,
+        if remember, memo entries: each row's ids + sampled tokens but the last, with their keys/values)."""
+        eot, T, dev = self.fmt.end_of_turn_id, self.temperature, self.model.device
+        n, B, room = [len(r) for r in rows], len(rows), self.max_new_tokens
+        L = max(n) - P
         attn = (torch.arange(L + room)[None] >= L + P - torch.tensor(n)[:, None]).long().to(dev)   # (B, L + room)
         attn[:, L:] = 0                                                     # opened as tokens arrive
-        live, logits = torch.arange(B), torch.stack(logits).float()          # rows still decoding; (B, V)
+        live = torch.arange(B)                                              # rows still decoding
         new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
         impl, self.model.config._attn_implementation = self.model.config._attn_implementation, "shared_prefix"
         try:
@@ -323,7 +396,7 @@ class ModelAgent:
                     new[i].append(t)
                     lps[i].append(p)
                 done = ((tok == eot) | (s == room - 1)).cpu()
-                for j in done.nonzero()[:, 0].tolist():   # remember its KV: row + all sampled tokens but the last
+                for j in done.nonzero()[:, 0].tolist() if remember else []:   # its KV: row + sampled tokens but the last
                     i = int(live[j])
                     own = slice(L + P - n[i], L + s)
                     memo[i] = (torch.cat([rows[i], torch.tensor(new[i][:-1], dtype=torch.long)]),
@@ -342,9 +415,7 @@ class ModelAgent:
                                     shared_prefix=prefix if P else None).logits[:, -1].float()
         finally:
             self.model.config._attn_implementation = impl
-        self.memo = memo
-        self.model.train(was_training)
-        return list(zip(new, lps))
+        return list(zip(new, lps)), memo if remember else []
 
 
 class TextAgent:
@@ -391,13 +462,30 @@ class OpenAIAgent(TextAgent):
 
 # ----------------------------------------------------------------------------- the rollout loop
 
+def ask_users(calls: list, workers: int) -> list:
+    """Call each of calls (a user writing its next message), up to `workers` at once when workers > 1: an
+    LLM user waits on the network, and a round at paper scale asks 256 of them. -> the messages in order,
+    an exception in place of a message that failed (after the user's own retries)."""
+    def call(fn):
+        try:
+            return fn()
+        except Exception as e:                           # handed back: the caller decides what it ends
+            return e
+    if workers <= 1 or len(calls) <= 1:
+        return [call(fn) for fn in calls]
+    with ThreadPoolExecutor(min(workers, len(calls))) as pool:
+        return list(pool.map(call, calls))
+
+
 def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
-                 **user_kw) -> list[Trajectory]:
+                 user_workers: int = 16, **user_kw) -> list[Trajectory]:
     """len(tasks) * group_size rollouts, task-major. Each round every conversation waiting on the agent
     is advanced by one agent.act() call; then each executes its first tool call or gets its user's reply.
-    Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs)."""
-    fmt = ChatFormat(tokenizer)
+    Users that can (LLM users over HTTP) are asked together, user_workers at a time: the first messages,
+    then each round's replies. Sampling randomness comes from torch's global RNG (seed it in the caller
+    for reproducible runs). The chat format (e.g. thinking on or off) is the agent's."""
+    fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)
     def add(traj, ids, logprobs=None):                   # logprobs given <=> sampled by the agent: mask 1
         traj.token_ids += ids
@@ -409,27 +497,30 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
         add(traj, ids := fmt.delta_ids(role, content))
         traj.stats[f"{role}_tokens"] += len(ids)
 
+    # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
+    made = [(envs.Env(task, shaped=shaped), make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()),
+                                                      **user_kw), i, g)
+            for i, task in enumerate(tasks) for g in range(group_size)]
+    workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []
-    for i, task in enumerate(tasks):
-        for g in range(group_size):
-            env = envs.Env(task, shaped=shaped)
-            # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
-            u = make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), **user_kw)
-            system, first = system_prompt(env.policy, env.tools), u.first_message()
-            traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, [], [], [],
-                              [{"role": "system", "content": system}, {"role": "user", "content": first}],
-                              stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
-                                                   "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))
-            add(traj, fmt.prompt_ids(env.policy, first, env.tools))   # messages[0] holds the tools as text
-            if len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
-                traj.stop_reason = "context_limit"
-            convs.append((env, u, traj))
+    for (env, u, i, g), first in zip(made, ask_users([u.first_message for _, u, _, _ in made], workers)):
+        if isinstance(first, Exception):                 # no opening, no conversation: the simulator is down
+            raise first
+        task, system = env.task, system_prompt(env.policy, env.tools)
+        traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, [], [], [],
+                          [{"role": "system", "content": system}, {"role": "user", "content": first}],
+                          stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
+                                               "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))
+        add(traj, fmt.prompt_ids(env.policy, first, env.tools))   # messages[0] holds the tools as text
+        if len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
+            traj.stop_reason = "context_limit"
+        convs.append((env, u, traj))
 
     active = [c for c, (_, _, traj) in enumerate(convs) if not traj.stop_reason]
     bar = tqdm(total=len(convs), desc="rollouts", disable=not progress, leave=False)
     while active:
         outs = agent.act([(convs[c][0].task, convs[c][2].messages, convs[c][2].token_ids) for c in active])
-        still = []
+        waiting = []                                     # conversations whose user speaks next
         for c, (new_ids, new_lp) in zip(active, outs):
             env, u, traj = convs[c]
             add(traj, new_ids, new_lp)
@@ -456,14 +547,22 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
                 elif u.ends_on_text:
                     traj.stop_reason = "agent_stop"
                 else:
-                    said = u.reply(traj.messages[1:])
-                    if STOP in said:                     # kept in messages; no tokens (nothing follows)
-                        traj.messages.append({"role": "user", "content": said})
-                        traj.stop_reason = "user_stop"
-                    else:
-                        append(traj, "user", said)
-            except Exception as e:                       # a failing user/env ends this rollout only
+                    waiting.append(c)
+            except Exception as e:                       # a failing env ends this rollout only
                 traj.stop_reason, traj.stats["error"] = "error", f"{e.__class__.__name__}: {e}"
+        replies = ask_users([partial(convs[c][1].reply, convs[c][2].messages[1:]) for c in waiting], workers)
+        for c, said in zip(waiting, replies):
+            traj = convs[c][2]
+            if isinstance(said, Exception):              # a failing user ends this rollout only
+                traj.stop_reason, traj.stats["error"] = "error", f"{said.__class__.__name__}: {said}"
+            elif STOP in said:                           # kept in messages; no tokens (nothing follows)
+                traj.messages.append({"role": "user", "content": said})
+                traj.stop_reason = "user_stop"
+            else:
+                append(traj, "user", said)
+        still = []
+        for c in active:
+            traj = convs[c][2]
             traj.stop_reason = traj.stop_reason or ("max_turns" if traj.turns >= max_turns else "context_limit"
                                                     if len(traj.token_ids) + max_new > max_context else "")
             bar.update(bool(traj.stop_reason))
@@ -514,6 +613,10 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
+    ap.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold; it decodes "
+                    "in waves that fit (0 = auto: free GPU memory minus a reserve; CPU: no limit)")
+    ap.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (default off, as in the paper)")
     ap.add_argument("--bench", action="store_true", help="batched vs sequential tokens/s at 8 and 16 conversations "
                     "(try --max-turns 2 --max-new-tokens 48 on CPU)")
     args = ap.parse_args()
@@ -527,10 +630,12 @@ def main():
     tasks = envs.make_tasks(args.domain, args.split, args.tasks, seed=args.seed)
     env = envs.Env(tasks[0])
     print(f"{args.domain} system prompt (policy + tools) and first user turn: "
-          f"{len(ChatFormat(tok).prompt_ids(env.policy, tasks[0].opening, env.tools))} tokens")
-    agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens)
+          f"{len(ChatFormat(tok, args.thinking).prompt_ids(env.policy, tasks[0].opening, env.tools))} tokens")
+    agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens, int(args.kv_budget * 2**30) or None,
+                       args.thinking)
     t0 = time.time()
-    trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed)
+    trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed,
+                         user_workers=args.user_workers)
     for t in trajs:
         print(t.show() + "\n")
     reasons = dict(Counter(t.stop_reason for t in trajs))

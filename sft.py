@@ -64,11 +64,12 @@ from rollout import TextAgent
 ALL_TIERS = "easy,medium,hard"
 PRESETS = {
     "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
-                  max_len=8192, save_every=20),      # 167 x 12 scenarios = 2,004 conversations, as in the paper
+                  max_len=8192, save_every=20,       # 167 x 12 scenarios = 2,004 conversations, as in the paper
+                  grad_checkpointing="on"),          # 4 x 2.6k tokens fit 24 GB only with it (README)
     "cpu":   dict(tasks_per_scenario=20, tiers="easy", epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3,
-                  max_len=4096, save_every=4),
+                  max_len=4096, save_every=4, grad_checkpointing="off"),
     "smoke": dict(tasks_per_scenario=1, tiers=ALL_TIERS, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3,
-                  max_len=1800, save_every=1, max_steps=1),
+                  max_len=1800, save_every=1, max_steps=1, grad_checkpointing="off"),
 }
 
 
@@ -87,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
     p.add_argument("--user", default="scripted", help="user simulator: scripted | openai:MODEL | local | none")
     p.add_argument("--max-turns", type=int, default=30, help="max agent turns per conversation")
+    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
     p.add_argument("--teacher", default=None, help="an OpenAI-compatible model as the agent instead of the oracle "
                                                    "(key from $OPENAI_API_KEY)")
     p.add_argument("--teacher-base-url", default=None, help="base URL of the teacher's server (default: OpenAI)")
@@ -106,8 +108,9 @@ def parse_args(argv=None):
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
     p.add_argument("--share-prefix", default="on", choices=["on", "off"],
                    help="run each domain's system prompt once per step, not once per conversation (exact)")
-    p.add_argument("--grad-checkpointing", default="off", choices=["on", "off"],
-                   help="recompute activations in backward: less memory, slower (sft.py --bench); turns --share-prefix off")
+    p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"],
+                   help="recompute activations in backward: less memory, slower (sft.py --bench); turns --share-prefix "
+                        "off (preset: gpu on, cpu off)")
     p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end (preset)")
     p.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
     args = p.parse_args(argv)
@@ -277,7 +280,7 @@ def make_data(args, tokenizer) -> list[dict]:
             tasks = [t for t in envs.make_tasks(domain, "train", n, seed=args.seed) if t.tier in args.tiers.split(",")]
             trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
                                          user=args.user, max_turns=args.max_turns, seed=args.seed,
-                                         progress=True)
+                                         progress=True, user_workers=args.user_workers)
             tools = envs.tool_schemas(domain)
             for t in trajs:
                 tried[f"{domain}/{t.scenario}"] += 1

@@ -9,6 +9,7 @@ the policy or the DB. One interface, User.first_message() / User.reply(messages)
 rollout.run_episodes asks them for replies; imports nothing of ours.
 """
 import contextlib
+import functools
 import os
 import random
 import re
@@ -34,6 +35,7 @@ class User:
     reply() gets the agent's view of the conversation without the system message; a reply holding
     ###STOP### ends the episode. ends_on_text: the episode ends at the agent's first text-only turn."""
     ends_on_text = False
+    concurrent = False     # may reply from several threads at once (run_episodes then asks a round's users together)
 
     def __init__(self, task):
         self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
@@ -152,9 +154,14 @@ Rules:
 AGENT_GREETING = "Hi! How can I help you today?"   # opens the simulator's chat, so it starts with a "user" turn
 
 
+def without_think(text: str) -> str:
+    """An agent message without its <think>...</think> reasoning (closed or not): what it says and calls."""
+    return re.sub(r"<think>.*?(</think>|\Z)", "", text or "", flags=re.S)
+
+
 def visible_text(text: str) -> str:
-    """What a user sees of an agent message: the text without <tool_call>...</tool_call> (closed or not)."""
-    return re.sub(r"<tool_call>.*?(</tool_call>|\Z)", "", text or "", flags=re.S).strip()
+    """What a user sees of an agent message: the text without reasoning and <tool_call>...</tool_call> (closed or not)."""
+    return re.sub(r"<tool_call>.*?(</tool_call>|\Z)", "", without_think(text), flags=re.S).strip()
 
 
 def user_sim_messages(task, messages: list[dict]) -> list[dict]:
@@ -191,22 +198,29 @@ class LLMUser(User):
         return self._complete(messages)
 
 
+@functools.lru_cache(maxsize=None)
+def openai_client(base_url, api_key, timeout):
+    """One client per server for all users of a run (a GRPO step makes 256 users): one pool of open
+    connections instead of a new client, certificates and connections per conversation."""
+    import openai
+    return openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)   # retries: ours
+
+
 class OpenAIUser(LLMUser):
     """User simulator behind any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp).
     base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. Retries, sleeping backoff * 2**k s,
     on 408/409/429/5xx, timeouts, refused connections and bodies that are not a chat completion; other
     HTTP errors (401 bad key, 404 unknown model) fail at once. usage also counts requests and retries."""
     RETRY_STATUS = (408, 409, 429)
+    concurrent = True      # it waits on the network; its client is thread-safe
 
     def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=4,
                  temperature=0.0, max_tokens=256, backoff=1.0):
         super().__init__(task)
-        import openai
         self.model, self.max_retries, self.backoff = model, max_retries, backoff
         self.temperature, self.max_tokens = temperature, max_tokens
-        self.client = openai.OpenAI(base_url=base_url or os.environ.get("OPENAI_BASE_URL"),
-                                    api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none",  # local servers ignore it
-                                    timeout=timeout, max_retries=0)   # retries: our own loop below
+        self.client = openai_client(base_url or os.environ.get("OPENAI_BASE_URL"),
+                                    api_key or os.environ.get("OPENAI_API_KEY") or "none", timeout)  # local servers ignore the key
         self.usage.update(requests=0, retries=0)
 
     def _complete(self, messages: list[dict]) -> str:

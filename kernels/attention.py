@@ -1,5 +1,6 @@
-"""Decoding many conversations at once on a CPU: a KV cache that grows in place, and attention that
-reads a prefix all rows share (the system prompt) once per step. Pure PyTorch; used by rollout.ModelAgent.
+"""Decoding many conversations at once: a KV cache that grows in place, attention that reads a prefix all
+rows share (the system prompt) once per step, and waves of rows that fit a KV budget. Pure PyTorch; used by
+rollout.ModelAgent.
 
 KVBuffer       one layer's keys/values for a batch of rows, left-padded, with room reserved for the
                tokens still to come: transformers' DynamicLayer torch.cat's the whole cache at every
@@ -11,7 +12,10 @@ shared_prefix_attention
                concatenated before one softmax, so it equals attention over [prefix ; row].
                Registered with transformers as the attention implementation "shared_prefix"; a
                forward without the shared_prefix= argument falls through to plain SDPA.
-Tested in tests/test_rollout.py (sampled log-probs == a teacher-forced recomputation).
+kv_bytes_per_token, plan_waves
+               what one token of cache costs, and how many rows to decode together so that their
+               cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB).
+Tested in tests/test_rollout.py (sampled log-probs == a teacher-forced recomputation; waves == one batch).
 """
 import torch
 from transformers import AttentionInterface
@@ -21,23 +25,24 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
 class KVBuffer(DynamicLayer):
-    """One layer's KV cache: B rows, left-padded to `length`, with `room` free slots after it.
-    rows[i]: row i's keys/values as consecutive pieces [(k, v), ...], each (1, kv_heads, m, head_dim).
-    keys/values (what attention reads) are views of the filled part."""
+    """One layer's KV cache: `rows` rows, left-padded to `length`, with `room` free slots after it.
+    put(i, pieces) writes row i; keys/values (what attention reads) are views of the filled part."""
 
-    def __init__(self, rows: list[list[tuple]], length: int, room: int):
-        super().__init__()
-        k0 = rows[0][0][0]
-        self.k = k0.new_empty(len(rows), k0.shape[1], length + room, k0.shape[3])   # (B, kv_heads, cap, hd)
-        self.v = torch.empty_like(self.k)
-        for i, pieces in enumerate(rows):                                # row i ends at `length`
-            end = length
-            for k, v in reversed(pieces):
-                self.k[i, :, end - k.shape[2]:end], self.v[i, :, end - k.shape[2]:end] = k[0], v[0]
-                end -= k.shape[2]
-            self.k[i, :, :end], self.v[i, :, :end] = 0, 0     # padding: masked, but 0 * NaN would still be NaN
-        self.n, self.dtype, self.device, self.is_initialized = length, k0.dtype, k0.device, True
+    def __init__(self, rows: int, like: torch.Tensor, length: int, room: int):
+        super().__init__()                               # like: any (1, kv_heads, m, head_dim) of the model
+        # zeros: padding is masked, but 0 * NaN would still be NaN
+        self.k = like.new_zeros(rows, like.shape[1], length + room, like.shape[3])   # (B, kv_heads, cap, hd)
+        self.v = torch.zeros_like(self.k)
+        self.n, self.dtype, self.device, self.is_initialized = length, like.dtype, like.device, True
         self.keys, self.values = self.k[:, :, :length], self.v[:, :, :length]
+
+    def put(self, i: int, pieces: list[tuple]):
+        """Row i's keys/values, consecutive pieces [(k, v), ...] each (1, kv_heads, m, head_dim), ending at `length`."""
+        end = self.n
+        for k, v in reversed(pieces):
+            self.k[i, :, end - k.shape[2]:end], self.v[i, :, end - k.shape[2]:end] = k[0], v[0]
+            end -= k.shape[2]
+        return self
 
     def update(self, keys, values, *args, **kwargs):
         start, self.n = self.n, self.n + keys.shape[2]
@@ -45,8 +50,12 @@ class KVBuffer(DynamicLayer):
         self.keys, self.values = self.k[:, :, :self.n], self.v[:, :, :self.n]
         return self.keys, self.values
 
-    def select(self, rows: torch.Tensor):                                # drop rows that finished
-        self.k, self.v = self.k[rows], self.v[rows]
+    def select(self, rows: torch.Tensor):
+        """Keep only `rows` (ascending), moved up in place one row at a time: no second buffer."""
+        for j, r in enumerate(rows.tolist()):
+            if r != j:
+                self.k[j], self.v[j] = self.k[r], self.v[r]
+        self.k, self.v = self.k[:len(rows)], self.v[:len(rows)]
         self.keys, self.values = self.k[:, :, :self.n], self.v[:, :, :self.n]
 
 
@@ -58,6 +67,35 @@ def first_tokens(pieces: list[tuple], c: int) -> list[tuple]:
             out.append((k[:, :, :c], v[:, :, :c]))
         c -= k.shape[2]
     return out
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Keys + values of one token in every layer: layers x kv_heads x head_dim x 2 (K, V) x bytes.
+    Qwen3-8B in bf16: 36 x 8 x 128 x 2 x 2 = 147,456 bytes (144 KiB)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers * kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+
+
+def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tuple[list[list[int]], bool]:
+    """(waves, keep): rows (indices) in waves to decode one after the other, each fitting `budget` cache
+    tokens (None: no limit), and whether the rows' caches may be kept for the next round.
+    own[i]: row i's tokens after the `prefix` tokens all rows share; room: tokens a row may still sample.
+    A wave of b rows, the longest with L own tokens, holds the shared prefix (once), the row being
+    prefilled (prefix + L) and the (b, L + room) decode buffer. If all rows fit in one wave with as much
+    again for the copies of their caches kept for the next round: one wave, in order, keep. Else no
+    copies (keep False), and the waves take the longest rows first, so a wave pads little.
+    A row that alone exceeds the budget still gets a wave of its own."""
+    cost = lambda b, L, copies: 2 * prefix + L + (1 + copies) * b * (L + room)   # noqa: E731
+    if budget is None or not own or cost(len(own), max(own), 1) <= budget:
+        return [list(range(len(own)))], True
+    waves = []
+    for i in sorted(range(len(own)), key=lambda i: -own[i]):
+        if waves and cost(len(waves[-1]) + 1, own[waves[-1][0]], 0) <= budget:   # its first row is its longest
+            waves[-1].append(i)
+        else:
+            waves.append([i])
+    return waves, False
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kw):

@@ -265,6 +265,51 @@ def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
     assert max(ranks) > 1000, ranks
 
 
+def test_plan_waves_by_hand():
+    """4 rows of 10/50/30/20 own tokens after a 100-token prefix, room 5. One wave with copies kept costs
+    2 x 100 + 50 + 2 x 4 x 55 = 690; without copies a wave led by the 50-token row costs 250 + 55 b."""
+    from kernels.attention import plan_waves
+    own = [10, 50, 30, 20]
+    assert plan_waves(own, 100, 5, None) == ([[0, 1, 2, 3]], True)
+    assert plan_waves(own, 100, 5, 690) == ([[0, 1, 2, 3]], True)
+    assert plan_waves(own, 100, 5, 689) == ([[1, 2, 3, 0]], False)               # fits, but not twice: no copies
+    assert plan_waves(own, 100, 5, 400) == ([[1, 2], [3, 0]], False)             # 250 + 110; then 220 + 50
+    assert plan_waves(own, 100, 5, 100) == ([[1], [2], [3], [0]], False)         # nothing fits: a row a wave
+
+
+def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
+    """Greedy decoding in waves that fit a small KV budget gives exactly the conversations one big batch
+    gives; a round that needs several waves keeps no row's keys/values for the next, only the shared prefix."""
+    from kernels.attention import kv_bytes_per_token
+    tasks = envs.make_tasks("retail", "train", 4)
+    env = envs.Env(tasks[0])
+    P = len(ChatFormat(tok).prompt_ids(env.policy, "", env.tools))             # about the prefix rows share
+    runs = {}
+    for name, budget in (("one batch", None), ("waves", (2 * P + 400) * kv_bytes_per_token(tiny.config, torch.float32))):
+        agent, rounds = ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8, kv_budget=budget), []
+        act = agent.act
+
+        def recorded(batch):                              # per round: wave sizes, rows kept, the shortest row, memo
+            out = act(batch)
+            rounds.append(([len(w) for w in agent.waves], agent.keeps_rows, min(len(ids) for *_, ids in batch),
+                           [len(m[0]) for m in agent.memo]))
+            return out
+        agent.act = recorded
+        runs[name] = run_episodes(agent, tok, tasks, group_size=2, max_turns=4, progress=False, seed=3), rounds
+    (one, one_rounds), (waves, wave_rounds) = runs["one batch"], runs["waves"]
+    print("waves per round:", [w for w, *_ in wave_rounds])
+    assert all(len(w) == 1 and keep for w, keep, *_ in one_rounds)
+    assert all(len(w) > 1 and not keep for w, keep, *_ in wave_rounds)
+    assert max(max(w) for w, *_ in wave_rounds) > 1                            # some waves batch several rows
+    for *_, shortest_row, memo in wave_rounds:
+        assert all(n < shortest_row for n in memo)                             # only the shared prefix is kept
+    for a, b in zip(one, waves):
+        assert (a.token_ids, a.loss_mask, a.messages, a.stop_reason) == (b.token_ids, b.loss_mask, b.messages, b.stop_reason)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert len({tuple(t.token_ids) for t in one}) == len(one)                  # 8 different conversations
+    assert sum(t.stats["truncated_turns"] for t in one) < sum(t.turns for t in one)   # and rows end at different steps
+
+
 def test_run_episodes_token_exact_with_tiny_model(tok, tiny):
     tasks = tasks_by_scenario("retail")[:2] + tasks_by_scenario("airline")[:1]
     rec = Recorder(ModelAgent(tiny, tok, temperature=1.0, max_new_tokens=6))

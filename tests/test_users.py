@@ -51,17 +51,32 @@ def completion(text="Yes, please cancel it.", prompt_tokens=50, completion_token
 class FakeServer:
     """A real HTTP server on 127.0.0.1 (ephemeral port) that answers request i with script[i]
     (the last entry repeats): "ok", "slow" (sleeps 1 s, then ok), "500", "429", "401",
-    "garbage" (200, body not JSON) or "nochoices" (200, JSON that is not a chat completion)."""
+    "garbage" (200, body not JSON) or "nochoices" (200, JSON that is not a chat completion);
+    an entry may also be a function of the request body that returns one of those.
+    max_in_flight: the most requests it was answering at once; last_answer: when it answered the last one."""
 
     def __init__(self, *script):
         self.script, self.requests = list(script), []
-        outer = self
+        self.in_flight = self.max_in_flight = 0
+        lock, outer = threading.Lock(), self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
-                what = outer.script[min(len(outer.requests), len(outer.script)) - 1]
+                with lock:
+                    outer.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization"),
+                                           "t": time.time()})
+                    what = outer.script[min(len(outer.requests), len(outer.script)) - 1]
+                    outer.in_flight += 1
+                    outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                try:
+                    self.answer(what(body) if callable(what) else what)
+                finally:
+                    with lock:
+                        outer.in_flight -= 1
+                        outer.last_answer = time.time()
+
+            def answer(self, what):
                 if what == "slow":
                     time.sleep(1.0)
                 status, payload = {"ok": (200, completion()), "slow": (200, completion()),
@@ -215,6 +230,67 @@ def test_auth_error_is_not_retried():
         with pytest.raises(U.UserSimulatorError, match="AuthenticationError"):
             user.first_message()
     assert len(srv.requests) == 1
+
+
+# ---------------------------------------------------------------- a round's users asked together (run_episodes)
+
+class AsksHowToHelp(rollout.TextAgent):
+    def respond(self, task, messages):
+        return "How can I help you?"
+
+
+def llm_user_episodes(url, tasks, group_size=1, **kw):
+    tok = rollout.load_tokenizer()
+    kw = {"max_turns": 1, "user_workers": 16, "timeout": 5.0, "max_retries": 0, **kw}
+    return rollout.run_episodes(AsksHowToHelp(tok), tok, tasks, group_size=group_size, user="openai:sim-model",
+                                progress=False, base_url=url, api_key="k", **kw)
+
+
+def test_a_rounds_sixteen_replies_take_one_slow_reply_not_sixteen():
+    import envs
+    with FakeServer(*(["ok"] * 16 + ["slow"])) as srv:    # 16 quick openings, then every reply takes 1 s
+        trajs = llm_user_episodes(srv.url, envs.make_tasks("retail", "train", 4), group_size=4)
+    elapsed = srv.last_answer - srv.requests[16]["t"]       # the round's first reply asked -> its last answered
+    print(f"\n16 conversations, one round of 1-s replies: {elapsed:.2f} s, {srv.max_in_flight} requests at once")
+    assert len(srv.requests) == 32 and srv.max_in_flight == 16
+    assert 1.0 <= elapsed < 2.0                             # one after another: 16 s
+    for t in trajs:
+        assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "user"] and t.stop_reason == "max_turns"
+
+
+def test_the_pool_is_bounded_by_user_workers():
+    import envs
+    with FakeServer("slow") as srv:
+        trajs = llm_user_episodes(srv.url, envs.make_tasks("retail", "train", 4), group_size=2, user_workers=4)
+    assert srv.max_in_flight == 4 and len(srv.requests) == 16 and all(t.stop_reason == "max_turns" for t in trajs)
+
+
+def test_a_failing_user_ends_only_its_own_rollout_and_retries_stay_per_conversation():
+    import envs
+    tasks = envs.make_tasks("retail", "train", 3)
+    broken, flaky = tasks[0].instruction, tasks[1].instruction
+    assert len({t.instruction for t in tasks}) == 3
+    flaky_replies = []
+
+    def route(body):                                        # by whose conversation the request is
+        system = body["messages"][0]["content"]
+        if len(body["messages"]) == 2:                      # an opening: [system prompt, the agent's greeting]
+            return "ok"
+        if broken in system:
+            return "500"
+        if flaky in system:
+            flaky_replies.append(body)
+            return "429" if len(flaky_replies) == 1 else "ok"
+        return "ok"
+    with FakeServer(route) as srv:
+        a, b, c = llm_user_episodes(srv.url, tasks, max_turns=2, max_retries=2, backoff=0.01)
+    print(f"\nbroken: {a.stop_reason} {a.stats['error'][:90]!r}")
+    assert a.stop_reason == "error" and a.turns == 1
+    assert "UserSimulatorError" in a.stats["error"] and "InternalServerError" in a.stats["error"]
+    assert a.stats["user_usage"]["requests"] == 1 + 3        # its opening, then 1 try + 2 retries of its reply
+    assert (b.stop_reason, b.turns, c.stop_reason, c.turns) == ("max_turns", 2, "max_turns", 2)
+    assert b.stats["user_usage"]["retries"] == 1 and c.stats["user_usage"]["retries"] == 0
+    assert [m["role"] for m in b.messages][-2:] == ["assistant", "user"]
 
 
 # ---------------------------------------------------------------- LocalUser: a tiny random model
