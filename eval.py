@@ -60,7 +60,7 @@ GPU_DEFAULTS = dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30
 # CPU: the tier the CPU presets of sft.py and rl.py train on, 24 held-out tasks per domain (48 in all, enough
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each; sized for a few minutes an agent
 # on 2 cores. Same turn/token limits as rl.py's.
-CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", max_turns=8, max_new_tokens=96, max_context=3072, recheck=0,
+CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", max_turns=7, max_new_tokens=80, max_context=3072, recheck=0,
                   bfcl_steps=4)
 SMOKE = dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
              recheck=1, bfcl_steps=1)

@@ -52,10 +52,11 @@ GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max
                     max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10,
                     eval_every=10, eval_tasks=24, grad_checkpointing="on")
 # CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings). A
-# rollout batch of 4 tasks x 4 (16 rows decode together: several times the tokens/s of one row); up to 3
-# batches a step until 4 groups have reward variance; held-out pass^1 on 16 tasks every 2 steps.
-CPU_PRESET = dict(steps=6, tasks=4, draw=4, max_draws=3, group_size=4, max_turns=8, max_new_tokens=96,
-                  max_context=3072, micro_batch=2, lr=2e-4, tiers="easy", ckpt_every=1, eval_every=2,
+# rollout batch of 6 tasks x 4: a decode step costs about the same for 8 rows as for 24, so wide batches
+# are cheap; a second batch only if fewer than 4 groups have reward variance. 7 turns: the easy tasks need
+# 5, one correction after a "no" needs 2 more. Held-out pass^1 on 16 tasks every 2 steps.
+CPU_PRESET = dict(steps=4, tasks=4, draw=6, max_draws=2, group_size=4, max_turns=7, max_new_tokens=80,
+                  max_context=3072, micro_batch=2, lr=5e-4, tiers="easy", ckpt_every=1, eval_every=2,
                   eval_tasks=8, grad_checkpointing="off")
 SMOKE = dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
              max_context=2560, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, eval_every=2, eval_tasks=1,

@@ -23,6 +23,7 @@ Simplifications vs the paper
     attended once (kernels/attention.py); --bench measures it against one conversation at a time.
 """
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -41,7 +42,7 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 import envs
-from kernels.attention import KVBuffer, first_tokens, kv_bytes_per_token, plan_waves
+from kernels.attention import KVBuffer, kv_bytes_per_token, plan_waves, token_slice, weight_major_linear
 from users import STOP, make_user, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -319,7 +320,7 @@ class ModelAgent:
         """(c, kv): the longest prefix of ids the memo holds, leaving >= 1 token to feed, and its KV."""
         c, kv = max(((min(_common_prefix(m, ids), len(ids) - 1), kv) for m, kv in self.memo),
                     key=lambda x: x[0], default=(0, None))
-        return c, [first_tokens(pieces, c) for pieces in kv] if c else None
+        return c, [token_slice(pieces, 0, c) for pieces in kv] if c else None
 
     def _prefill(self, ids: torch.Tensor):
         """Feed ids after their cached prefix (batch 1: no padding). -> (per layer (k, v) of all ids
@@ -362,18 +363,77 @@ class ModelAgent:
     def _prefill_wave(self, rows: list[torch.Tensor], P: int):
         """Prefill each row after what the memo holds, straight into a decode cache. The shared prefix's
         keys/values are kept once (1, kv_heads, P, hd) per layer; row i's own part (n_i - P tokens) sits
-        left-padded in a (B, L + room) buffer. -> (cache, prefix, logits of each row's last token (B, V))."""
-        B, L = len(rows), max(map(len, rows)) - P
-        cache, prefix, logits = None, None, []
+        left-padded in a (B, L + room) buffer. -> (cache, prefix, logits of each row's last token (B, V)).
+        Rows that continue a cached shared prefix are prefilled together, a batch of new turns per forward
+        (_prefill_together); otherwise (a single row) one by one."""
+        B, L, room = len(rows), max(map(len, rows)) - P, self.max_new_tokens
+        cached = [self._cached(r) for r in rows]
+        if P and all(c >= P for c, _ in cached):     # the usual case: the rows continue a cached shared prefix
+            prefix = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, P))) for pieces in cached[0][1]]
+            own, logits = self._prefill_together(rows, cached, P, prefix)
+            cache = Cache(layers=[KVBuffer(B, k, L, room) for k, _ in prefix])
+            for i, layers in enumerate(own):
+                for layer, pieces in zip(cache.layers, layers):
+                    layer.put(i, pieces)
+            return cache, prefix, torch.stack(logits).float()
+        cache, prefix, logits = None, None, []      # else (a single row): one at a time
         for i, r in enumerate(rows):
             kv, last = self._prefill(r)
             if cache is None:                         # a copy, so this row's full keys/values can go
                 prefix = [(k[:, :, :P].clone(), v[:, :, :P].clone()) for k, v in kv]
-                cache = Cache(layers=[KVBuffer(B, k, L, self.max_new_tokens) for k, _ in kv])
+                cache = Cache(layers=[KVBuffer(B, k, L, room) for k, _ in kv])
             for layer, (k, v) in zip(cache.layers, kv):
                 layer.put(i, [(k[:, :, P:], v[:, :, P:])])
             logits.append(last)
         return cache, prefix, torch.stack(logits).float()
+
+    PREFILL_TOKENS = 4096       # new tokens per batched prefill forward: bounds its attention scores
+
+    def _prefill_together(self, rows, cached, P, prefix):
+        """Feed every row's new tokens (those after its cached c_i >= P) in batches of rows. In a batch the
+        cached own parts sit left-padded in a buffer and the new tokens are right-aligned after them, so
+        the last position holds every row's last token; the mask hides both paddings, positions continue
+        from c_i, and all rows attend the shared prefix once (shared_prefix_attention).
+        -> (per row, per layer: its own keys/values after P as pieces; logits of its last token (V,))."""
+        new = [len(r) - c for r, (c, _) in zip(rows, cached)]
+        order, batches = sorted(range(len(rows)), key=lambda i: -new[i]), []
+        for i in order:                                   # longest first: rows of a batch pad little
+            if batches and (len(batches[-1]) + 1) * new[batches[-1][0]] <= self.PREFILL_TOKENS:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        own, logits, dev, pad = [None] * len(rows), [None] * len(rows), self.model.device, self.fmt.end_of_turn_id
+        for batch in batches:
+            b, D = len(batch), new[batch[0]]
+            Lc = max(cached[i][0] for i in batch) - P
+            ids = torch.full((b, D), pad, dtype=torch.long)
+            attn, pos = torch.zeros(b, Lc + D, dtype=torch.long), torch.zeros(b, D, dtype=torch.long)
+            cache = Cache(layers=[KVBuffer(b, k, Lc, D) for k, _ in prefix])
+            for j, i in enumerate(batch):
+                c, kv = cached[i]
+                ids[j, D - new[i]:] = rows[i][c:]
+                attn[j, Lc - (c - P):Lc], attn[j, Lc + D - new[i]:] = 1, 1
+                pos[j] = (torch.arange(D) + c - (D - new[i])).clamp(min=0)
+                for layer, pieces in zip(cache.layers, kv):
+                    layer.put(j, token_slice(pieces, P, c))
+            with self._attention("shared_prefix"):
+                out = self.model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
+                                 past_key_values=cache, shared_prefix=prefix, logits_to_keep=1)
+            for j, i in enumerate(batch):
+                c = cached[i][0]
+                keep = [slice(Lc - (c - P), Lc), slice(Lc + D - new[i], Lc + D)]     # cached, then new
+                own[i] = [[(layer.k[j:j + 1, :, s], layer.v[j:j + 1, :, s]) for s in keep] for layer in cache.layers]
+                logits[i] = out.logits[j, -1]
+        return own, logits
+
+    @contextlib.contextmanager
+    def _attention(self, impl: str):
+        """Run the model with another registered attention implementation (kernels/attention.py)."""
+        plain, self.model.config._attn_implementation = self.model.config._attn_implementation, impl
+        try:
+            yield
+        finally:
+            self.model.config._attn_implementation = plain
 
     def _sample(self, rows, P, cache, prefix, logits, remember: bool):
         """Decode all rows together until each samples end-of-turn or max_new_tokens. The attention mask
@@ -386,8 +446,7 @@ class ModelAgent:
         attn[:, L:] = 0                                                     # opened as tokens arrive
         live = torch.arange(B)                                              # rows still decoding
         new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
-        impl, self.model.config._attn_implementation = self.model.config._attn_implementation, "shared_prefix"
-        try:
+        with self._attention("shared_prefix"), weight_major_linear():
             for s in range(room):
                 logp = torch.log_softmax(logits / (T or 1.0), -1)               # (b, V)
                 tok = logits.argmax(-1) if T == 0 else torch.multinomial(logp.exp(), 1)[:, 0]
@@ -413,8 +472,6 @@ class ModelAgent:
                 logits = self.model(input_ids=tok[:, None], attention_mask=attn[:, :L + s + 1], past_key_values=cache,
                                     position_ids=torch.tensor([[n[i] + s] for i in live.tolist()], device=dev),
                                     shared_prefix=prefix if P else None).logits[:, -1].float()
-        finally:
-            self.model.config._attn_implementation = impl
         return list(zip(new, lps)), memo if remember else []
 
 

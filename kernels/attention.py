@@ -6,18 +6,24 @@ KVBuffer       one layer's keys/values for a batch of rows, left-padded, with ro
                tokens still to come: transformers' DynamicLayer torch.cat's the whole cache at every
                decode step (at 16 rows x 2k tokens that copy was 60% of a CPU decode step).
 shared_prefix_attention
-               a decode step's attention when every row continues the same P-token prefix. The
-               prefix's keys/values are stored once, (1, kv_heads, P, head_dim), and read once for all
-               rows; each row's own keys/values sit in the KVBuffer. Scores against both are
-               concatenated before one softmax, so it equals attention over [prefix ; row].
+               attention when every row continues the same P-token prefix (a decode step, or a batch
+               of rows prefilling their new turns). The prefix's keys/values are stored once,
+               (1, kv_heads, P, head_dim), and read once for all rows; each row's own keys/values sit in
+               the KVBuffer. Scores against both are concatenated before one softmax, so it equals
+               attention over [prefix ; row].
                Registered with transformers as the attention implementation "shared_prefix"; a
                forward without the shared_prefix= argument falls through to plain SDPA.
+weight_major_linear
+               a decode step's linear layers in the weight-major layout, much faster on CPU for few rows.
 kv_bytes_per_token, plan_waves
                what one token of cache costs, and how many rows to decode together so that their
                cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB).
 Tested in tests/test_rollout.py (sampled log-probs == a teacher-forced recomputation; waves == one batch).
 """
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -59,14 +65,36 @@ class KVBuffer(DynamicLayer):
         self.keys, self.values = self.k[:, :, :self.n], self.v[:, :, :self.n]
 
 
-def first_tokens(pieces: list[tuple], c: int) -> list[tuple]:
-    """The first c tokens of consecutive (k, v) pieces, each (1, kv_heads, m, head_dim)."""
-    out = []
+def token_slice(pieces: list[tuple], start: int, stop: int) -> list[tuple]:
+    """Tokens [start, stop) of consecutive (k, v) pieces, each (1, kv_heads, m, head_dim), as pieces (views)."""
+    out, offset = [], 0
     for k, v in pieces:
-        if c > 0:
-            out.append((k[:, :, :c], v[:, :, :c]))
-        c -= k.shape[2]
+        a, b = max(start - offset, 0), min(stop - offset, k.shape[2])
+        if a < b:
+            out.append((k[:, :, a:b], v[:, :, a:b]))
+        offset += k.shape[2]
     return out
+
+
+@contextlib.contextmanager
+def weight_major_linear(max_rows: int = 64):
+    """Inside: on CPU, F.linear(x, W) of at most max_rows rows is computed as (W @ x^T)^T, the same product.
+    A decode step feeds one token per conversation, and for so few rows the BLAS torch ships (MKL) runs this
+    layout several times faster than x @ W^T (README, rollout speed); prefill and training rows keep the
+    usual layout, which is as fast or faster there. Every nn.Linear (LoRA's too) goes through F.linear."""
+    plain = F.linear
+
+    def linear(x, weight, bias=None):
+        rows = x.numel() // x.shape[-1]
+        if x.device.type != "cpu" or rows > max_rows:
+            return plain(x, weight, bias)
+        y = (weight @ x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = plain
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -99,14 +127,22 @@ def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tu
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kw):
-    """query (B, heads, 1, hd); key/value (B, kv_heads, n, hd): each row's own part; shared_prefix: per
-    layer (k, v), each (1, kv_heads, P, hd). -> (B, 1, heads, hd), as transformers' SDPA wrapper returns."""
-    if shared_prefix is None:                       # any other call (prefill, training): plain SDPA
+    """query (B, heads, q, hd): q new tokens a row (1 when decoding, a turn when prefilling); key/value
+    (B, kv_heads, n, hd): each row's own part, ending with the new tokens; shared_prefix: per layer (k, v),
+    each (1, kv_heads, P, hd), seen by every new token. attention_mask (B, 1, q, n) bool (False: padding,
+    or a later token), or None. -> (B, q, heads, hd), as transformers' SDPA wrapper returns."""
+    if shared_prefix is None:                       # any other call (the prefix itself, training): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
     pk, pv = shared_prefix[module.layer_idx]         # (1, kv_heads, P, hd)
-    B, H, _, D = query.shape                         # one query token per row
-    kvh, P = pk.shape[1], pk.shape[2]
-    q = query.reshape(B, kvh, H // kvh, D)           # query heads grouped by the kv head they share
+    B, H, Q, D = query.shape
+    kvh, P, n = pk.shape[1], pk.shape[2], key.shape[2]
+    if Q > 1:                                        # prefilling: SDPA over [prefix ; row], prefix visible to all
+        if attention_mask is None:                   # new token i sees own keys up to its own place, n - q + i
+            attention_mask = torch.ones(Q, n, dtype=torch.bool, device=query.device).tril(n - Q)[None, None]
+        mask = torch.cat([attention_mask.new_ones(B, 1, Q, P), attention_mask.expand(B, 1, Q, n)], -1)
+        return sdpa_attention_forward(module, query, torch.cat([pk.expand(B, -1, -1, -1), key], 2),
+                                      torch.cat([pv.expand(B, -1, -1, -1), value], 2), mask, scaling=scaling, **kw)
+    q = query.reshape(B, kvh, H // kvh, D)           # one token a row; query heads grouped by their kv head
     qk = q.permute(1, 0, 2, 3).reshape(kvh, -1, D)   # (kv_heads, B * group, hd)
     s_prefix = (qk @ pk[0].transpose(1, 2)).view(kvh, B, -1, P).permute(1, 0, 2, 3)   # (B, kvh, group, P)
     s_row = q @ key.transpose(2, 3)                  # (B, kvh, group, n)

@@ -231,8 +231,12 @@ def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
     appended turn). After a weight update the remembered keys/values are dropped and it stays exact."""
     model = copy.deepcopy(tiny)
     agent = ModelAgent(model, tok, temperature=1.3, max_new_tokens=12)
-    fed = []                                           # tokens per forward call
-    model.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
+    fed = []                                           # real (not padding) tokens per forward call
+
+    def count(module, args, kw):
+        ids, mask = kw["input_ids"], kw.get("attention_mask")
+        fed.append(ids.numel() if mask is None else int(mask[:, -ids.shape[1]:].sum()))
+    model.model.register_forward_pre_hook(count, with_kwargs=True)
     common = tok("<|im_start|>system\nYou are a helpful agent.<|im_end|>\n", add_special_tokens=False).input_ids
     convs = [common + tok(x).input_ids for x in ("Hello there, how are you today?", "Hi", "Cancel #W1 now")]
     ranks = []
@@ -258,8 +262,8 @@ def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
             assert prefill == len(common) + sum(len(p) - len(common) for p in convs)
         else:             # each row's history is cached except its last sampled token and the new turn
             assert prefill == sum(1 + len(delta) for delta in deltas)
-        deltas = [tok(f"<|im_end|>\n<|im_start|>user\nturn {k} of {j}<|im_end|>\n", add_special_tokens=False).input_ids
-                  for j in range(len(convs))]
+        deltas = [tok(f"<|im_end|>\n<|im_start|>user\nturn {k} of {j}{' and more' * 3 * j}<|im_end|>\n",
+                      add_special_tokens=False).input_ids for j in range(len(convs))]   # new turns of 3 lengths
         convs = [p + ids + d for p, (ids, _), d in zip(convs, outs, deltas)]
     # generate's default top_k=50 is not in play: on a near-uniform random model most samples rank far beyond 50
     assert max(ranks) > 1000, ranks
