@@ -202,9 +202,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     t0 = time.time()
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, **user_kw)
-    trajs = []
-    for domain in dict.fromkeys(t.domain for t in tasks):    # a batch per domain: its rows share a system prompt
-        trajs += rollout.run_episodes(agent, tokenizer, [t for t in tasks if t.domain == domain], trials, seed=seed, **run)
+    trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
     rewards = {}
     for tr in trajs:
         rewards.setdefault(tr.task_id, []).append(tr.reward)

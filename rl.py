@@ -23,8 +23,8 @@ the end. Rerun the same command after a kill: it resumes from the latest checkpo
 Simplifications versus the paper and its official code:
 - SmolLM2-135M-Instruct (bundled, fp32 on CPU) instead of Qwen3-8B/14B/32B; LoRA (r 16) instead of full
   fine-tuning, so the frozen reference is a second small adapter on the same base weights.
-- Our procedural retail/airline domains (envs.py); a step draws its tasks from one domain, domains in
-  turn, so its rollouts share one system prompt that the sampler prefills once.
+- Our procedural retail/airline domains (envs.py); a step's tasks alternate between them, and the rows
+  of a domain share its system prompt, which the sampler prefills and the training pass runs once.
 - A scripted user by default (a 135M model cannot play one); the paper's GPT-4o is --user openai:gpt-4o.
 - CPU preset: the same algorithm at small sizes, easy tier only (the tier the CPU cold start solves
   some of: a group teaches only if some but not all of its rollouts succeed); see CPU_PRESET.
@@ -79,7 +79,7 @@ def parse_args(argv=None):
                    "policy writes and is trained on its <think> reasoning")
     p.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward")
     p.add_argument("--domains", default="retail,airline", help="comma-separated train domains")
-    p.add_argument("--task-pool", type=int, default=200, help="train tasks generated per domain to sample from")
+    p.add_argument("--task-pool", type=int, default=1000, help="train tasks generated per domain to sample from")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps (preset)")
     p.add_argument("--tasks", type=int, default=None, help="groups with reward variance to train on per step "
                    "(preset; paper 32 tasks)")
@@ -179,44 +179,55 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, n_token
 def grpo_update(model, optimizer, trajs, adv, args, pad_id):
     """Steps 5-7 for the trajectories of groups with signal: log-probs (policy, old, reference),
     loss, backward, clip, AdamW. Returns summed stats for logging.
-    A step's rollouts share their system prompt (one domain a step): without activation
-    checkpointing it goes through the model once per pass (kernels.*_with_shared_prefix, exact)."""
+    Trajectories of one domain share its system prompt: without activation checkpointing it goes
+    through the model once per pass for all of them (kernels.*_with_shared_prefix, exact)."""
     from kernels import backward_with_shared_prefix, logprobs_with_shared_prefix, shared_prefix_len
     dev = next(p for p in model.parameters() if p.requires_grad).device
-    P = 0 if args.grad_checkpointing == "on" else shared_prefix_len([t.token_ids for t in trajs],
-                                                                      [t.loss_mask for t in trajs])
-    prefix = torch.tensor(trajs[0].token_ids[:P], dtype=torch.long, device=dev)
-    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))   # less padding per micro-batch
-    micro = []
-    for s in range(0, len(order), args.micro_batch):
-        idx = order[s:s + args.micro_batch]
-        ids, attn, mask = (x[:, P:].to(dev) for x in batch_trajectories([trajs[i] for i in idx], pad_id))
-        micro.append(dict(ids=ids, attn=attn, mask=mask, adv=adv[idx].to(dev)))
+    parts = {}                                   # domain -> its trajectories, shortest first (less padding)
+    for i in sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids)):
+        parts.setdefault(getattr(trajs[i], "domain", None), []).append(i)
+    micro = []                                   # micro-batches, each within one domain
+    for idx in parts.values():
+        P = 0 if args.grad_checkpointing == "on" else shared_prefix_len([trajs[i].token_ids for i in idx],
+                                                                          [trajs[i].loss_mask for i in idx])
+        prefix = torch.tensor(trajs[idx[0]].token_ids[:P], dtype=torch.long, device=dev)
+        for s in range(0, len(idx), args.micro_batch):
+            mb = idx[s:s + args.micro_batch]
+            ids, attn, mask = (x[:, P:].to(dev) for x in batch_trajectories([trajs[i] for i in mb], pad_id))
+            micro.append(dict(prefix=prefix, ids=ids, attn=attn, mask=mask, adv=adv[mb].to(dev)))
+
+    def by_prefix(mbs):                          # [(prefix, its micro-batches)], in order
+        out = {}
+        for mb in mbs:
+            out.setdefault(id(mb["prefix"]), (mb["prefix"], []))[1].append(mb)
+        return list(out.values())
     inputs = lambda mbs: [(mb["ids"], mb["attn"], mb["mask"]) for mb in mbs]     # noqa: E731
     with torch.no_grad():        # before any update: reference always, old policy only if it can differ
-        with reference_policy(model):
-            for mb, ref in zip(micro, logprobs_with_shared_prefix(model, prefix, inputs(micro), args.temperature)):
-                mb["ref"] = ref
-        if args.mini_batches > 1:
-            for mb, old in zip(micro, logprobs_with_shared_prefix(model, prefix, inputs(micro), args.temperature)):
-                mb["old"] = old
+        for prefix, mbs in by_prefix(micro):
+            with reference_policy(model):
+                for mb, ref in zip(mbs, logprobs_with_shared_prefix(model, prefix, inputs(mbs), args.temperature)):
+                    mb["ref"] = ref
+            if args.mini_batches > 1:
+                for mb, old in zip(mbs, logprobs_with_shared_prefix(model, prefix, inputs(mbs), args.temperature)):
+                    mb["old"] = old
     params = [p for p in model.parameters() if p.requires_grad]
     total = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
     per = math.ceil(len(micro) / args.mini_batches)
     for s in range(0, len(micro), per):
         chunk = micro[s:s + per]
         n_tokens = max(1, sum(int(mb["mask"].sum()) for mb in chunk))
-
-        def loss_of(i, logp):                                   # logp: (b, T - P), with grad
-            mb = chunk[i]
-            old = mb["old"] if "old" in mb else logp.detach()
-            loss, st = grpo_loss(logp, old, mb["ref"], mb["adv"], mb["mask"], args.clip, args.kl_coef,
-                                 n_tokens=n_tokens)
-            for k in ("kl_sum", "clipped", "tokens"):
-                total[k] += st[k]
-            return loss
         optimizer.zero_grad(set_to_none=True)
-        backward_with_shared_prefix(model, prefix, inputs(chunk), loss_of, args.temperature)
+        for prefix, mbs in by_prefix(chunk):     # gradients add up over the domains of the mini-batch
+
+            def loss_of(i, logp, mbs=mbs):       # logp: (b, T - P), with grad
+                mb = mbs[i]
+                old = mb["old"] if "old" in mb else logp.detach()
+                loss, st = grpo_loss(logp, old, mb["ref"], mb["adv"], mb["mask"], args.clip, args.kl_coef,
+                                     n_tokens=n_tokens)
+                for k in ("kl_sum", "clipped", "tokens"):
+                    total[k] += st[k]
+                return loss
+            backward_with_shared_prefix(model, prefix, inputs(mbs), loss_of, args.temperature)
         total["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         optimizer.step()
         total["updates"] += 1
@@ -325,18 +336,14 @@ def load_policy(args, model):
 
 
 def heldout_pass1(model, tok, tasks, args, user_kw) -> float:
-    """pass^1 of the greedy policy on fixed held-out tasks, one batch per domain (eval.py's settings)."""
+    """pass^1 of the greedy policy on fixed held-out tasks (eval.py's settings)."""
     import rollout
     agent = rollout.ModelAgent(model, tok, temperature=0.0, max_new_tokens=args.max_new_tokens,
                                kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
-    solved = 0
     model.eval()
-    for domain in dict.fromkeys(t.domain for t in tasks):
-        trajs = rollout.run_episodes(agent, tok, [t for t in tasks if t.domain == domain], user=args.user,
-                                     max_turns=args.max_turns, max_context=args.max_context, seed=args.seed,
-                                     progress=False, **user_kw)
-        solved += sum(t.reward >= 1 for t in trajs)
-    return solved / len(tasks)
+    trajs = rollout.run_episodes(agent, tok, tasks, user=args.user, max_turns=args.max_turns,
+                                 max_context=args.max_context, seed=args.seed, progress=False, **user_kw)
+    return sum(t.reward >= 1 for t in trajs) / len(tasks)
 
 
 # ---------------------------------------------------------------- the loop
@@ -403,10 +410,11 @@ def main(argv=None):
         t0 = time.time()
         # 1-2. rollouts with dynamic sampling: batches of --draw tasks x G rollouts (fresh Env and simulated
         #    user each, inside run_episodes) until --tasks groups have reward variance or --max-draws batches
-        #    ran. One domain a step, in turn: every row shares one system prompt, prefilled once.
+        #    ran. Domains alternate in a batch; each domain's system prompt is prefilled once for its rows.
         #    Own RNG: a resumed run redraws the same tasks.
-        pool = pools[domains[step % len(domains)]]
-        order = random.Random(args.seed * 1_000_003 + step).sample(pool, min(len(pool), args.draw * args.max_draws))
+        rng = random.Random(args.seed * 1_000_003 + step)
+        shuffled = [rng.sample(pools[d], len(pools[d])) for d in domains]
+        order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]
         model.eval()                           # generation with KV cache; checkpointing is train-only
         rollouts, kept = [], []
         for d in range(args.max_draws):

@@ -23,7 +23,6 @@ Simplifications vs the paper
     attended once (kernels/attention.py); --bench measures it against one conversation at a time.
 """
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -42,7 +41,8 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 import envs
-from kernels.attention import KVBuffer, kv_bytes_per_token, plan_waves, token_slice, weight_major_linear
+from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, plan_waves, prefill_together,
+                               token_slice, weight_major_linear)
 from users import STOP, make_user, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -331,6 +331,16 @@ class ModelAgent:
                          past_key_values=cache)                          # positions continue from c
         return [(layer.keys, layer.values) for layer in out.past_key_values.layers], out.logits[0, -1]
 
+    @staticmethod
+    def _groups(batch, rows) -> list[tuple[list[int], int]]:
+        """Rows grouped by the system prompt they continue (a domain's policy and tools) -> [(row indices,
+        P)]: P is the prefix all of the group's rows share, at most each one's length - 1; 0 for a row alone."""
+        groups = {}
+        for i, (_, messages, _) in enumerate(batch):
+            groups.setdefault(messages[0]["content"] if messages else None, []).append(i)
+        return [(idx, 0 if len(idx) == 1 else min(min(_common_prefix(rows[idx[0]], rows[i]) for i in idx),
+                                                   min(len(rows[i]) for i in idx) - 1)) for idx in groups.values()]
+
     @torch.no_grad()
     def act(self, batch):
         rows = [torch.tensor(ids) for _, _, ids in batch]
@@ -339,19 +349,25 @@ class ModelAgent:
         version = sum(p._version for p in self.model.parameters())
         if version != self.version:
             self.memo, self.version = [], version
-        # the prefix every row shares: prefilled once (and remembered) if not cached yet
-        P = max(0, min(min(_common_prefix(rows[0], r) for r in rows), min(map(len, rows)) - 1))
-        self.waves, self.keeps_rows = plan_waves([len(r) - P for r in rows], P, self.max_new_tokens, self.budget_tokens())
-        if not self.keeps_rows:                       # keep only entries within the shared prefix
-            self.memo = [m for m in self.memo if len(m[0]) <= P]
-        if len(rows) > 1 and P and any(self._cached(r)[0] < P for r in rows):
-            self.memo.append((rows[0][:P], [[kv] for kv in self._prefill(rows[0][:P])[0]]))
+        groups = self._groups(batch, rows)
+        gid, P = [0] * len(rows), [0] * len(rows)
+        for g, (idx, p) in enumerate(groups):
+            for i in idx:
+                gid[i], P[i] = g, p
+        self.waves, self.keeps_rows = plan_waves([len(r) - p for r, p in zip(rows, P)], sum(p for _, p in groups),
+                                                 self.max_new_tokens, self.budget_tokens())
+        if not self.keeps_rows:                       # keep only the shared prefixes' entries
+            self.memo = [m for m in self.memo if len(m[0]) <= max(P)]
+        for idx, p in groups:                         # each group's shared prefix: prefilled once, remembered
+            if p and any(self._cached(rows[i])[0] < p for i in idx):
+                self.memo.append((rows[idx[0]][:p], [[kv] for kv in self._prefill(rows[idx[0]][:p])[0]]))
         outs, memo = [None] * len(rows), []
         for wave in self.waves:
-            cache, prefix, logits = self._prefill_wave([rows[i] for i in wave], P)
+            part = lambda xs: [xs[i] for i in wave]   # noqa: E731
+            cache, prefixes, logits = self._prefill_wave(part(rows), part(P), part(gid))
             if self.keeps_rows:                       # (one wave) every row's remembered keys/values are in `cache`
                 self.memo = []
-            done, kept = self._sample([rows[i] for i in wave], P, cache, prefix, logits, remember=self.keeps_rows)
+            done, kept = self._sample(part(rows), part(P), part(gid), cache, prefixes, logits, remember=self.keeps_rows)
             for i, out in zip(wave, done):
                 outs[i] = out
             memo += kept
@@ -360,93 +376,55 @@ class ModelAgent:
         self.model.train(was_training)
         return outs
 
-    def _prefill_wave(self, rows: list[torch.Tensor], P: int):
-        """Prefill each row after what the memo holds, straight into a decode cache. The shared prefix's
-        keys/values are kept once (1, kv_heads, P, hd) per layer; row i's own part (n_i - P tokens) sits
-        left-padded in a (B, L + room) buffer. -> (cache, prefix, logits of each row's last token (B, V)).
-        Rows that continue a cached shared prefix are prefilled together, a batch of new turns per forward
-        (_prefill_together); otherwise (a single row) one by one."""
-        B, L, room = len(rows), max(map(len, rows)) - P, self.max_new_tokens
+    def _prefill_wave(self, rows: list[torch.Tensor], P: list[int], gid: list[int]):
+        """Prefill each row after what the memo holds, straight into a decode cache. Row i continues the
+        shared prefix of its group gid[i], P[i] tokens, whose keys/values are kept once per group
+        (1, kv_heads, P, hd) per layer; its own part (n_i - P[i] tokens) sits left-padded in a
+        (B, L + room) buffer. -> (cache, {group: per-layer prefix (k, v), or None}, last-token logits (B, V)).
+        The rows of a group that continue its cached prefix are prefilled together, a batch of new turns
+        per forward (kernels.attention.prefill_together); others (a row alone) one at a time."""
+        B, L, room = len(rows), max(len(r) - p for r, p in zip(rows, P)), self.max_new_tokens
         cached = [self._cached(r) for r in rows]
-        if P and all(c >= P for c, _ in cached):     # the usual case: the rows continue a cached shared prefix
-            prefix = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, P))) for pieces in cached[0][1]]
-            own, logits = self._prefill_together(rows, cached, P, prefix)
-            cache = Cache(layers=[KVBuffer(B, k, L, room) for k, _ in prefix])
-            for i, layers in enumerate(own):
-                for layer, pieces in zip(cache.layers, layers):
-                    layer.put(i, pieces)
-            return cache, prefix, torch.stack(logits).float()
-        cache, prefix, logits = None, None, []      # else (a single row): one at a time
-        for i, r in enumerate(rows):
-            kv, last = self._prefill(r)
-            if cache is None:                         # a copy, so this row's full keys/values can go
-                prefix = [(k[:, :, :P].clone(), v[:, :, :P].clone()) for k, v in kv]
-                cache = Cache(layers=[KVBuffer(B, k, L, room) for k, _ in kv])
-            for layer, (k, v) in zip(cache.layers, kv):
-                layer.put(i, [(k[:, :, P:], v[:, :, P:])])
-            logits.append(last)
-        return cache, prefix, torch.stack(logits).float()
+        cache, prefixes, logits = None, {}, [None] * B
 
-    PREFILL_TOKENS = 4096       # new tokens per batched prefill forward: bounds its attention scores
+        def put(i, layers):                           # row i's own keys/values into the decode buffer
+            nonlocal cache
+            cache = cache or Cache(layers=[KVBuffer(B, pieces[0][0], L, room) for pieces in layers])
+            for layer, pieces in zip(cache.layers, layers):
+                layer.put(i, pieces)
+        for g in dict.fromkeys(gid):
+            idx, p = [i for i in range(B) if gid[i] == g], P[gid.index(g)]
+            if p and all(cached[i][0] >= p for i in idx):     # the usual case: a cached shared prefix
+                prefixes[g] = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, p)))
+                               for pieces in cached[idx[0]][1]]
+                own, last = prefill_together(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
+                                             prefixes[g], pad=self.fmt.end_of_turn_id)
+                for i, layers, lg in zip(idx, own, last):
+                    put(i, layers)
+                    logits[i] = lg
+                continue
+            for i in idx:
+                kv, logits[i] = self._prefill(rows[i])
+                if p and g not in prefixes:           # a copy, so this row's full keys/values can go
+                    prefixes[g] = [(k[:, :, :p].clone(), v[:, :, :p].clone()) for k, v in kv]
+                put(i, [[(k[:, :, p:], v[:, :, p:])] for k, v in kv])
+        return cache, {g: prefixes.get(g) for g in gid}, torch.stack(logits).float()
 
-    def _prefill_together(self, rows, cached, P, prefix):
-        """Feed every row's new tokens (those after its cached c_i >= P) in batches of rows. In a batch the
-        cached own parts sit left-padded in a buffer and the new tokens are right-aligned after them, so
-        the last position holds every row's last token; the mask hides both paddings, positions continue
-        from c_i, and all rows attend the shared prefix once (shared_prefix_attention).
-        -> (per row, per layer: its own keys/values after P as pieces; logits of its last token (V,))."""
-        new = [len(r) - c for r, (c, _) in zip(rows, cached)]
-        order, batches = sorted(range(len(rows)), key=lambda i: -new[i]), []
-        for i in order:                                   # longest first: rows of a batch pad little
-            if batches and (len(batches[-1]) + 1) * new[batches[-1][0]] <= self.PREFILL_TOKENS:
-                batches[-1].append(i)
-            else:
-                batches.append([i])
-        own, logits, dev, pad = [None] * len(rows), [None] * len(rows), self.model.device, self.fmt.end_of_turn_id
-        for batch in batches:
-            b, D = len(batch), new[batch[0]]
-            Lc = max(cached[i][0] for i in batch) - P
-            ids = torch.full((b, D), pad, dtype=torch.long)
-            attn, pos = torch.zeros(b, Lc + D, dtype=torch.long), torch.zeros(b, D, dtype=torch.long)
-            cache = Cache(layers=[KVBuffer(b, k, Lc, D) for k, _ in prefix])
-            for j, i in enumerate(batch):
-                c, kv = cached[i]
-                ids[j, D - new[i]:] = rows[i][c:]
-                attn[j, Lc - (c - P):Lc], attn[j, Lc + D - new[i]:] = 1, 1
-                pos[j] = (torch.arange(D) + c - (D - new[i])).clamp(min=0)
-                for layer, pieces in zip(cache.layers, kv):
-                    layer.put(j, token_slice(pieces, P, c))
-            with self._attention("shared_prefix"):
-                out = self.model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
-                                 past_key_values=cache, shared_prefix=prefix, logits_to_keep=1)
-            for j, i in enumerate(batch):
-                c = cached[i][0]
-                keep = [slice(Lc - (c - P), Lc), slice(Lc + D - new[i], Lc + D)]     # cached, then new
-                own[i] = [[(layer.k[j:j + 1, :, s], layer.v[j:j + 1, :, s]) for s in keep] for layer in cache.layers]
-                logits[i] = out.logits[j, -1]
-        return own, logits
-
-    @contextlib.contextmanager
-    def _attention(self, impl: str):
-        """Run the model with another registered attention implementation (kernels/attention.py)."""
-        plain, self.model.config._attn_implementation = self.model.config._attn_implementation, impl
-        try:
-            yield
-        finally:
-            self.model.config._attn_implementation = plain
-
-    def _sample(self, rows, P, cache, prefix, logits, remember: bool):
-        """Decode all rows together until each samples end-of-turn or max_new_tokens. The attention mask
-        hides the left padding; positions count the row's own tokens. -> ([(new ids, log-probs)] per row,
-        if remember, memo entries: each row's ids + sampled tokens but the last, with their keys/values)."""
+    def _sample(self, rows, P, gid, cache, prefixes, logits, remember: bool):
+        """Decode all rows together until each samples end-of-turn or max_new_tokens. Row i's own part sits
+        left-padded in `cache` (the attention mask hides the padding) and it attends its group's shared
+        prefix, prefixes[gid[i]] (None: none); positions count the row's own tokens. -> ([(new ids,
+        log-probs)] per row, if remember, memo entries: each row's ids + sampled tokens but the last, with
+        their keys/values)."""
         eot, T, dev = self.fmt.end_of_turn_id, self.temperature, self.model.device
         n, B, room = [len(r) for r in rows], len(rows), self.max_new_tokens
-        L = max(n) - P
-        attn = (torch.arange(L + room)[None] >= L + P - torch.tensor(n)[:, None]).long().to(dev)   # (B, L + room)
+        L = max(a - p for a, p in zip(n, P))
+        own_len = torch.tensor([a - p for a, p in zip(n, P)])
+        attn = (torch.arange(L + room)[None] >= L - own_len[:, None]).long().to(dev)   # (B, L + room)
         attn[:, L:] = 0                                                     # opened as tokens arrive
-        live = torch.arange(B)                                              # rows still decoding
+        live, group = torch.arange(B), torch.tensor(gid)                    # rows still decoding, their groups
         new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
-        with self._attention("shared_prefix"), weight_major_linear():
+        with attention_implementation(self.model, "shared_prefix"), weight_major_linear():
             for s in range(room):
                 logp = torch.log_softmax(logits / (T or 1.0), -1)               # (b, V)
                 tok = logits.argmax(-1) if T == 0 else torch.multinomial(logp.exp(), 1)[:, 0]
@@ -457,21 +435,23 @@ class ModelAgent:
                 done = ((tok == eot) | (s == room - 1)).cpu()
                 for j in done.nonzero()[:, 0].tolist() if remember else []:   # its KV: row + sampled tokens but the last
                     i = int(live[j])
-                    own = slice(L + P - n[i], L + s)
+                    own = slice(L - int(own_len[i]), L + s)
                     memo[i] = (torch.cat([rows[i], torch.tensor(new[i][:-1], dtype=torch.long)]),
-                               [[shared, (layer.k[j:j + 1, :, own].clone(), layer.v[j:j + 1, :, own].clone())]
-                                for shared, layer in zip(prefix, cache.layers)])
+                               [([shared] if shared else []) + [(layer.k[j:j + 1, :, own].clone(),
+                                                                 layer.v[j:j + 1, :, own].clone())]
+                                for shared, layer in zip(prefixes[gid[i]] or [None] * len(cache.layers), cache.layers)])
                 if done.all():
                     break
                 if done.any():
                     keep = (~done).nonzero()[:, 0]
-                    live, tok, attn = live[keep], tok[keep.to(dev)], attn[keep.to(dev)]
+                    live, group, tok, attn = live[keep], group[keep], tok[keep.to(dev)], attn[keep.to(dev)]
                     for layer in cache.layers:
                         layer.select(keep.to(dev))
                 attn[:, L + s] = 1
+                shared = [((group == g).nonzero()[:, 0].to(dev), prefixes[g]) for g in group.unique().tolist()]
                 logits = self.model(input_ids=tok[:, None], attention_mask=attn[:, :L + s + 1], past_key_values=cache,
                                     position_ids=torch.tensor([[n[i] + s] for i in live.tolist()], device=dev),
-                                    shared_prefix=prefix if P else None).logits[:, -1].float()
+                                    shared_prefix=shared).logits[:, -1].float()
         return list(zip(new, lps)), memo if remember else []
 
 

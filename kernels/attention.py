@@ -15,6 +15,8 @@ shared_prefix_attention
                forward without the shared_prefix= argument falls through to plain SDPA.
 weight_major_linear
                a decode step's linear layers in the weight-major layout, much faster on CPU for few rows.
+prefill_together
+               the new turns of many rows that continue one shared prefix, prefilled in one forward.
 kv_bytes_per_token, plan_waves
                what one token of cache costs, and how many rows to decode together so that their
                cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB).
@@ -25,7 +27,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -97,6 +99,59 @@ def weight_major_linear(max_rows: int = 64):
         F.linear = plain
 
 
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Run the model with another registered attention implementation (e.g. "shared_prefix" below)."""
+    plain, model.config._attn_implementation = model.config._attn_implementation, name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = plain
+
+
+PREFILL_TOKENS = 4096           # new tokens per batched prefill forward: bounds its attention's size
+
+
+@torch.no_grad()
+def prefill_together(model, rows, cached, P: int, prefix, pad: int):
+    """Feed the new tokens of rows that all continue one shared prefix (prefix: per layer (k, v), each
+    (1, kv_heads, P, hd)), batches of rows per forward. cached[i] = (c_i >= P, row i's cached keys/values as
+    per-layer pieces). In a batch the cached own parts sit left-padded in a KVBuffer and the new tokens are
+    right-aligned after them, so the last position holds every row's last token; the mask hides both
+    paddings, positions continue from c_i, and all rows attend the prefix once (shared_prefix_attention).
+    -> (per row, per layer: its own keys/values after P as pieces; logits of its last token (V,))."""
+    new = [len(r) - c for r, (c, _) in zip(rows, cached)]
+    batches = []
+    for i in sorted(range(len(rows)), key=lambda i: -new[i]):   # longest first: rows of a batch pad little
+        if batches and (len(batches[-1]) + 1) * new[batches[-1][0]] <= PREFILL_TOKENS:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    own, logits, dev = [None] * len(rows), [None] * len(rows), model.device
+    for batch in batches:
+        b, D = len(batch), new[batch[0]]
+        Lc = max(cached[i][0] for i in batch) - P
+        ids = torch.full((b, D), pad, dtype=torch.long)
+        attn, pos = torch.zeros(b, Lc + D, dtype=torch.long), torch.zeros(b, D, dtype=torch.long)
+        cache = Cache(layers=[KVBuffer(b, k, Lc, D) for k, _ in prefix])
+        for j, i in enumerate(batch):
+            c, kv = cached[i]
+            ids[j, D - new[i]:] = rows[i][c:]
+            attn[j, Lc - (c - P):Lc], attn[j, Lc + D - new[i]:] = 1, 1
+            pos[j] = (torch.arange(D) + c - (D - new[i])).clamp(min=0)
+            for layer, pieces in zip(cache.layers, kv):
+                layer.put(j, token_slice(pieces, P, c))
+        with attention_implementation(model, "shared_prefix"):
+            out = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
+                        past_key_values=cache, shared_prefix=[(None, prefix)], logits_to_keep=1)
+        for j, i in enumerate(batch):
+            c = cached[i][0]
+            keep = [slice(Lc - (c - P), Lc), slice(Lc + D - new[i], Lc + D)]     # cached, then new
+            own[i] = [[(layer.k[j:j + 1, :, s], layer.v[j:j + 1, :, s]) for s in keep] for layer in cache.layers]
+            logits[i] = out.logits[j, -1]
+    return own, logits
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Keys + values of one token in every layer: layers x kv_heads x head_dim x 2 (K, V) x bytes.
     Qwen3-8B in bf16: 36 x 8 x 128 x 2 x 2 = 147,456 bytes (144 KiB)."""
@@ -128,21 +183,41 @@ def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tu
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kw):
     """query (B, heads, q, hd): q new tokens a row (1 when decoding, a turn when prefilling); key/value
-    (B, kv_heads, n, hd): each row's own part, ending with the new tokens; shared_prefix: per layer (k, v),
-    each (1, kv_heads, P, hd), seen by every new token. attention_mask (B, 1, q, n) bool (False: padding,
-    or a later token), or None. -> (B, q, heads, hd), as transformers' SDPA wrapper returns."""
+    (B, kv_heads, n, hd): each row's own part, ending with the new tokens; attention_mask (B, 1, q, n) bool
+    (False: padding, or a later token) or None. shared_prefix: [(rows, layers)], one entry per prefix the
+    rows continue: rows a LongTensor of row indices (None: all rows), layers per layer (k, v), each
+    (1, kv_heads, P, hd), seen by every new token of those rows (None: rows that share no prefix).
+    -> (B, q, heads, hd), as transformers' SDPA wrapper returns."""
     if shared_prefix is None:                       # any other call (the prefix itself, training): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
-    pk, pv = shared_prefix[module.layer_idx]         # (1, kv_heads, P, hd)
+    out = None
+    for rows, layers in shared_prefix:              # a prefix per system prompt: one or two groups of rows
+        sub = (lambda x: x) if rows is None else (lambda x: None if x is None else x[rows])   # noqa: E731
+        if layers is None:
+            o = sdpa_attention_forward(module, sub(query), sub(key), sub(value), sub(attention_mask),
+                                       scaling=scaling, **kw)[0]
+        else:
+            o = _attend_with_prefix(module, sub(query), sub(key), sub(value), sub(attention_mask),
+                                    *layers[module.layer_idx], scaling, **kw)
+        if rows is None:
+            return o, None
+        out = o.new_empty(query.shape[0], *o.shape[1:]) if out is None else out
+        out[rows] = o
+    return out, None
+
+
+def _attend_with_prefix(module, query, key, value, attention_mask, pk, pv, scaling, **kw):
+    """Attention over [prefix ; row] for rows that all continue one prefix pk, pv (1, kv_heads, P, hd)."""
     B, H, Q, D = query.shape
     kvh, P, n = pk.shape[1], pk.shape[2], key.shape[2]
-    if Q > 1:                                        # prefilling: SDPA over [prefix ; row], prefix visible to all
+    if Q > 1:                                        # prefilling: SDPA, the prefix visible to every new token
         if attention_mask is None:                   # new token i sees own keys up to its own place, n - q + i
             attention_mask = torch.ones(Q, n, dtype=torch.bool, device=query.device).tril(n - Q)[None, None]
         mask = torch.cat([attention_mask.new_ones(B, 1, Q, P), attention_mask.expand(B, 1, Q, n)], -1)
         return sdpa_attention_forward(module, query, torch.cat([pk.expand(B, -1, -1, -1), key], 2),
-                                      torch.cat([pv.expand(B, -1, -1, -1), value], 2), mask, scaling=scaling, **kw)
-    q = query.reshape(B, kvh, H // kvh, D)           # one token a row; query heads grouped by their kv head
+                                      torch.cat([pv.expand(B, -1, -1, -1), value], 2), mask, scaling=scaling, **kw)[0]
+    # decoding, one token a row: the prefix's keys/values are read once for all rows, not copied per row
+    q = query.reshape(B, kvh, H // kvh, D)           # query heads grouped by the kv head they share
     qk = q.permute(1, 0, 2, 3).reshape(kvh, -1, D)   # (kv_heads, B * group, hd)
     s_prefix = (qk @ pk[0].transpose(1, 2)).view(kvh, B, -1, P).permute(1, 0, 2, 3)   # (B, kvh, group, P)
     s_row = q @ key.transpose(2, 3)                  # (B, kvh, group, n)
@@ -151,7 +226,7 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     p = torch.softmax(torch.cat([s_prefix, s_row], -1).float() * (scaling or D ** -0.5), -1).to(value.dtype)
     p_prefix = p[..., :P].permute(1, 0, 2, 3).reshape(kvh, -1, P)                     # (kvh, B * group, P)
     out = (p_prefix @ pv[0]).view(kvh, B, -1, D).permute(1, 0, 2, 3) + p[..., P:] @ value   # (B, kvh, group, hd)
-    return out.reshape(B, 1, H, D), None             # (B, q_len, heads, hd), as SDPA's wrapper returns
+    return out.reshape(B, 1, H, D)                   # (B, q_len, heads, hd), as SDPA's wrapper returns
 
 
 AttentionInterface.register("shared_prefix", shared_prefix_attention)

@@ -200,15 +200,16 @@ def test_masked_tokens_get_zero_gradient_through_the_model():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
 
 
-@pytest.mark.parametrize("mini_batches", [1, 2])
-def test_shared_system_prompt_gives_the_same_update(mini_batches):
-    """Rollouts of one step share their system prompt: run once (grad_checkpointing off) or per
-    sequence (on), the stats and the updated weights are the same."""
-    prompt = torch.randint(3, 64, (4,), generator=torch.Generator().manual_seed(5)).tolist()
-    trajs = fake_trajs()
-    for t in trajs:
-        t.token_ids[:4] = prompt                         # mask 0 there: shared_prefix_len = 4
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+@pytest.mark.parametrize("mini_batches, domains", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_shared_system_prompt_gives_the_same_update(mini_batches, domains):
+    """Rollouts of a domain share its system prompt: run once per domain (grad_checkpointing off) or per
+    sequence (on), the stats and the updated weights are the same, with one domain in the step or two."""
+    prompts = [torch.randint(3, 64, (4,), generator=torch.Generator().manual_seed(5 + d)).tolist() for d in range(2)]
+    trajs = fake_trajs(6)
+    for i, t in enumerate(trajs):
+        t.domain = ["retail", "airline"][i % domains]
+        t.token_ids[:4] = prompts[i % domains]           # mask 0 there: shared_prefix_len = 4 within a domain
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
     runs = {}
     for ckpt in ["off", "on"]:                           # "on" only picks the per-sequence pass here
         model = tiny_lora_model()

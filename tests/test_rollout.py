@@ -314,6 +314,25 @@ def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
     assert sum(t.stats["truncated_turns"] for t in one) < sum(t.turns for t in one)   # and rows end at different steps
 
 
+def test_two_system_prompts_decode_together_as_each_would_alone(tok, tiny):
+    """Retail and airline rows in one batch: each group attends its own shared system prompt (prefilled once
+    per group), decoding steps are shared, and every conversation equals the one its domain gives alone."""
+    tasks = {d: envs.make_tasks(d, "train", 2) for d in envs.DOMAINS}
+    agent = ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8)
+    prefill = []
+    hook = tiny.model.register_forward_pre_hook(lambda m, a, kw: prefill.append(kw["input_ids"].shape), with_kwargs=True)
+    mixed = run_episodes(agent, tok, tasks["retail"] + tasks["airline"], group_size=2, max_turns=3, progress=False)
+    hook.remove()
+    prompts = sorted(shape[1] for shape in prefill if shape[0] == 1 and shape[1] > 500)   # the two system prompts
+    alone = [t for d in envs.DOMAINS for t in run_episodes(ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8),
+                                                           tok, tasks[d], group_size=2, max_turns=3, progress=False)]
+    assert len(prompts) == 2                                                   # once each, in the first round
+    for a, b in zip(mixed, alone):
+        assert (a.task_id, a.token_ids, a.loss_mask, a.messages) == (b.task_id, b.token_ids, b.loss_mask, b.messages)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert len({tuple(t.token_ids) for t in mixed}) == len(mixed)
+
+
 def test_run_episodes_token_exact_with_tiny_model(tok, tiny):
     tasks = tasks_by_scenario("retail")[:2] + tasks_by_scenario("airline")[:1]
     rec = Recorder(ModelAgent(tiny, tok, temperature=1.0, max_new_tokens=6))
