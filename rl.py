@@ -51,13 +51,16 @@ import torch
 GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
                     max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10,
                     eval_every=10, eval_tasks=24, grad_checkpointing="on")
-# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings). A
-# rollout batch of 6 tasks x 4: a decode step costs about the same for 8 rows as for 24, so wide batches
-# are cheap; a second batch only if fewer than 4 groups have reward variance. 7 turns: the easy tasks need
-# 5, one correction after a "no" needs 2 more. Held-out pass^1 on 16 tasks every 2 steps.
-CPU_PRESET = dict(steps=4, tasks=4, draw=6, max_draws=2, group_size=4, max_turns=7, max_new_tokens=80,
-                  max_context=3072, micro_batch=2, lr=5e-4, tiers="easy", ckpt_every=1, eval_every=2,
-                  eval_tasks=8, grad_checkpointing="off")
+# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings). One
+# rollout batch of 12 tasks x 4: a decode step costs about the same for 48 rows as for 8, so a wide batch finds
+# groups with reward variance almost for free, and training (~linear in sequences) is the step's cost: 2 such
+# groups a step. 7 turns: the easy tasks need 5, one correction after a "no" needs 2 more. Held-out pass^1 on
+# 24 tasks before step 1 and every 2 steps. The lr is for a LoRA already trained by SFT: Adam moves every
+# weight by ~lr a step (its first step exactly lr), the SFT adapter's B entries are ~4e-3, and 5e-4
+# wrecked the SFT policy in one step.
+CPU_PRESET = dict(steps=2, tasks=2, draw=12, max_draws=2, group_size=4, max_turns=7, max_new_tokens=80,
+                  max_context=3072, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, eval_every=2,
+                  eval_tasks=12, grad_checkpointing="off")
 SMOKE = dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
              max_context=2560, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, eval_every=2, eval_tasks=1,
              grad_checkpointing="off")
