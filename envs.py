@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, load_db, money
 
 DOMAINS = ("retail", "airline")
+TAU2_DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")   # τ²-bench itself: tau2_domains.py, loaded lazily
 REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}  # cancel
 
 
@@ -77,6 +78,9 @@ def tool(domains, description, write=False, **params):
     return register
 
 def tool_schemas(domain):
+    if domain in TAU2_DOMAINS:
+        import tau2_domains
+        return [t.openai_schema for t in tau2_domains.new_environment(domain).get_tools()]
     return [schema for _, schema in TOOLS[domain].values()]
 
 def _short(x, n=40):
@@ -525,7 +529,11 @@ def _brief(domain, name, s, rng):
             "request is done, or the agent has explained why it cannot be done, reply with ###STOP###.")
 
 def make_tasks(domain, split, n, seed=0):
-    """n tasks, scenarios round-robin; task i depends only on (domain, split, seed, i)."""
+    """n tasks, scenarios round-robin; task i depends only on (domain, split, seed, i). A τ² domain: the first
+    n tasks of τ²'s own split (seed unused)."""
+    if domain in TAU2_DOMAINS:
+        import tau2_domains
+        return tau2_domains.load_tasks(domain, split)[:n]
     db, names, tasks = load_db(domain, split, seed), list(SCENARIOS[domain]), []   # builders only read the DB
     for i in range(n):
         rng, name = random.Random(f"{domain}-{split}-{seed}-{i}"), names[i % len(names)]
@@ -540,7 +548,23 @@ def held_out_tasks(domains: list[str], n: int, tiers: list[str], seed: int = 0) 
     """The first n test-split tasks of each domain whose tier is in tiers (eval.py's set; rl.py's held-out
     curve uses a prefix of it)."""
     pool = lambda d: make_tasks(d, "test", n * len(SCENARIOS[d]), seed=seed)   # noqa: E731; cycles scenarios
-    return [t for d in domains for t in [t for t in pool(d) if t.tier in tiers][:n]]
+    return [t for d in domains for t in (make_tasks(d, "test", n) if d in TAU2_DOMAINS else
+                                         [t for t in pool(d) if t.tier in tiers][:n])]
+
+
+def train_tasks(domain: str, n: int, tiers: list[str], seed: int = 0) -> list[Task]:
+    """Training tasks: the train-split tasks among the first n whose tier is in tiers; a τ² domain has no
+    tiers: the first n of τ²'s train split, disjoint from its test split by τ²'s own split file."""
+    return make_tasks(domain, "train", n, seed) if domain in TAU2_DOMAINS else \
+        [t for t in make_tasks(domain, "train", n, seed) if t.tier in tiers]
+
+
+def make_env(task, shaped=False):
+    """A fresh environment for one rollout: Env, or tau2_domains.Tau2Env for a τ² task (same interface)."""
+    if task.domain in TAU2_DOMAINS:
+        import tau2_domains
+        return tau2_domains.Tau2Env(task, shaped)
+    return Env(task, shaped)
 
 
 # ----------------------------------------------------------------------------- the environment, one per rollout
@@ -594,8 +618,9 @@ class Env:
             self._gold_db = gold.db
         return self._gold_db
 
-    def reward(self, assistant_texts):
-        """1.0 iff DB hash == gold hash and every required output was said (case-insensitive substring).
+    def reward(self, assistant_texts, stop_reason=None):
+        """1.0 iff DB hash == gold hash and every required output was said (case-insensitive substring),
+        however the episode ended (stop_reason is for τ², which scores a cut-short episode 0).
         shaped=True: a failure still earns the fraction of gold write calls made exactly."""
         said = "\n".join(t for t in (assistant_texts or []) if isinstance(t, str)).lower()
         self.missing_outputs = [o for o in self.task.required_outputs if o.lower() not in said]

@@ -15,6 +15,7 @@ Run:
     python rl.py --user local           # ablation: another user simulator (the base model plays the user)
     python rl.py --reward shaped        # ablation: partial credit for correct writes
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale
+    python rl.py --domains tau2-retail,tau2-airline,tau2-telecom --user openai:gpt-4o   # τ²-bench's train split
     python rl.py --memory-check         # Qwen3-8B shapes, random NF4 weights, one step, peak GPU memory (CPU: tiny shapes)
 Everything goes under --out (default runs/rl): args.json, metrics.jsonl, rl.png, reference/ (the
 starting adapter), checkpoints (ckpt-NNNNNN/: adapter, optimizer, RNG states, metrics) and adapter/ at
@@ -388,8 +389,7 @@ def main(argv=None):
         f.writelines(json.dumps(m) + "\n" for m in metrics)
 
     tiers, domains, G = args.tiers.split(","), args.domains.split(","), args.group_size
-    pools = {d: [t for t in envs.make_tasks(d, "train", args.task_pool, seed=args.seed) if t.tier in tiers]
-             for d in domains}
+    pools = {d: envs.train_tasks(d, args.task_pool, tiers, args.seed) for d in domains}   # τ²: its train split
     heldout = envs.held_out_tasks(domains, args.eval_skip + args.eval_tasks, tiers, args.seed)
     heldout = [t for d in domains for t in [t for t in heldout if t.domain == d][args.eval_skip:]]
     agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,

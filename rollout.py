@@ -535,9 +535,12 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
         traj.stats[f"{role}_tokens"] += len(ids)
 
     # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
-    made = [(envs.Env(task, shaped=shaped), make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()),
-                                                      **user_kw), i, g)
-            for i, task in enumerate(tasks) for g in range(group_size)]
+    made = []
+    for i, task in enumerate(tasks):
+        for g in range(group_size):
+            env = envs.make_env(task, shaped=shaped)     # Env, or a τ² one; τ²'s telecom user acts on it too
+            made.append((env, make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
+                                        **user_kw), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []
     for (env, u, i, g), first in zip(made, ask_users([u.first_message for _, u, _, _ in made], workers)):
@@ -608,7 +611,8 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
     bar.close()
 
     for env, u, traj in convs:                           # reward on what the user could read
-        traj.reward = float(env.reward([visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]))
+        traj.reward = float(env.reward([visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"],
+                                       stop_reason=traj.stop_reason))
         traj.diff, traj.stats["user_usage"] = env.diff(), dict(u.usage)
     return [traj for _, _, traj in convs]
 

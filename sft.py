@@ -22,6 +22,7 @@ Run
   python sft.py --teacher gpt-4o         # an LLM teacher makes the data (any OpenAI-compatible server:
                                          #   --teacher-base-url http://localhost:8000/v1; key: $OPENAI_API_KEY)
   python sft.py --model Qwen/Qwen3-8B --load-in-4bit    # on a GPU the "gpu" preset applies (below)
+  python sft.py --domains tau2-retail,tau2-airline,tau2-telecom --user oracle   # τ²'s train split, gold oracle
   python eval.py --agents base,sft       # then: held-out pass^1 of base vs SFT
 
 Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
@@ -189,6 +190,8 @@ class OracleAgent(TextAgent):
         return f"Please confirm: {_describe(action, task)}. Yes or no?"
 
     def respond(self, task, messages: list[dict]) -> str:
+        if hasattr(task, "oracle_reply"):              # a τ² task: its gold calls, then its infos (tau2_domains.py)
+            return task.oracle_reply(messages)
         writes = envs.WRITE_TOOLS[task.domain]
         agent = [m for m in messages if m["role"] == "assistant"]
         heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
@@ -276,10 +279,11 @@ def make_data(args, tokenizer) -> list[dict]:
     agent, kept, tried, t0 = make_agent(args, tokenizer), [], Counter(), time.time()
     with open(os.path.join(args.out, "data.jsonl"), "w") as f:
         for domain in args.domains.split(","):
-            n = args.tasks_per_scenario * len(envs.SCENARIOS[domain])    # make_tasks goes round-robin
-            tasks = [t for t in envs.make_tasks(domain, "train", n, seed=args.seed) if t.tier in args.tiers.split(",")]
+            n = args.tasks_per_scenario * (len(envs.SCENARIOS[domain]) if domain in envs.SCENARIOS else 1)  # τ²: first n
+            tasks = envs.train_tasks(domain, n, args.tiers.split(","), args.seed)
             trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
                                          user=args.user, max_turns=args.max_turns, seed=args.seed,
+                                         max_context=max(args.max_len, 8192),   # τ²'s prompts alone are 5-8k tokens
                                          progress=True, user_workers=args.user_workers)
             tools = envs.tool_schemas(domain)
             for t in trajs:

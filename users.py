@@ -224,8 +224,12 @@ class OpenAIUser(LLMUser):
         self.usage.update(requests=0, retries=0)
 
     def _complete(self, messages: list[dict]) -> str:
+        return (self._request(user_sim_messages(self.task, messages)).content or "").strip()
+
+    def _request(self, chat: list[dict], tools: list[dict] | None = None):
+        """One chat completion, retried as above -> its message (with text, or tool calls when tools are given)."""
         import openai
-        chat, last, attempts = user_sim_messages(self.task, messages), None, 0
+        last, attempts = None, 0
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.usage["retries"] += 1
@@ -233,11 +237,11 @@ class OpenAIUser(LLMUser):
             attempts += 1
             self.usage["requests"] += 1
             try:
-                r = self.client.chat.completions.create(model=self.model, messages=chat,
-                                                        temperature=self.temperature, max_tokens=self.max_tokens)
+                r = self.client.chat.completions.create(model=self.model, messages=chat, temperature=self.temperature,
+                                                        max_tokens=self.max_tokens, **({"tools": tools} if tools else {}))
                 choice = (getattr(r, "choices", None) or [None])[0]   # a non-JSON body can come back as a str
-                text = getattr(getattr(choice, "message", None), "content", None)
-                if not isinstance(text, str):
+                message = getattr(choice, "message", None)
+                if not isinstance(getattr(message, "content", None), str) and not getattr(message, "tool_calls", None):
                     raise ValueError(f"no message text in the response: {str(r)[:100]!r}")
             except openai.APIStatusError as e:
                 last = e
@@ -248,7 +252,7 @@ class OpenAIUser(LLMUser):
             else:
                 self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
                 self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
-                return text.strip()
+                return message
         raise UserSimulatorError(
             f"user simulator {self.model!r} at {self.client.base_url} failed after {attempts} attempt(s): "
             f"{type(last).__name__}: {str(last)[:200]}. Check that the server is up and serves this model "
@@ -276,8 +280,11 @@ class LocalUser(LLMUser):
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
-def make_user(spec: str, task, seed: int = 0, **kw) -> User:
-    """spec: "scripted" | "none" | "local" | "openai:MODEL"."""
+def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:
+    """spec: "scripted" | "none" | "local" | "openai:MODEL". env: the rollout's Env (τ²'s telecom user acts on it)."""
+    if str(getattr(task, "domain", "")).startswith("tau2-"):   # τ²'s users: tau2_domains.py (world side too)
+        import tau2_domains
+        return tau2_domains.make_tau2_user(spec, task, seed, env, **kw)
     if spec == "scripted":
         return ScriptedUser(task, seed)
     if spec == "none":

