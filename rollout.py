@@ -555,6 +555,12 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scri
         if len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
         convs.append((env, u, traj))
+    for d in sorted({t.domain for _, _, t in convs if t.stop_reason}):   # say so once, rather than score 0 silently
+        cut = [len(t.token_ids) for _, _, t in convs if t.domain == d and t.stop_reason]
+        print(f"warning: {len(cut)} {d} episode(s) end before the agent's first turn: the prompt (system prompt "
+              f"with policy and tools, then the user's opening) is up to {max(cut)} tokens, and with {max_new} to "
+              f"answer that passes max_context {max_context}. They score 0; raise --max-context (up to the model's "
+              "context) or use a model with a longer one.")
 
     active = [c for c, (_, _, traj) in enumerate(convs) if not traj.stop_reason]
     bar = tqdm(total=len(convs), desc="rollouts", disable=not progress, leave=False)
