@@ -5,7 +5,8 @@ What it does
      pass^k = mean over tasks of C(c, k) / C(n, k), where c of n trials succeeded (reward 1.0),
      with a bootstrap 95% CI over tasks, overall, per domain and per scenario. All trials of all
      tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training).
-  2. BFCL multi-turn, offline, from the `bfcl-eval` package: its multi_turn_base entries, its
+  2. BFCL-v3 multi-turn, offline, from the `bfcl-eval` package: its four categories (base, miss_func,
+     miss_param, long_context; the paper's "BFCL-V3 Multi Turn" is all four), its
      per-turn user queries as the user's messages, its simulated API classes executing the model's
      calls, and its own multi-turn checker (state + execution-result checks after every turn).
   3. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
@@ -17,7 +18,7 @@ Run
   python eval.py --agents base,rl --trials 4      # pick agents; an adapter dir path also works as an agent
   python eval.py --agents openai:gpt-4o-mini --openai-base-url http://localhost:8000/v1   # any endpoint
   python eval.py --user openai:gpt-4o             # the paper's LLM user instead of the scripted one
-  python eval.py --bfcl 20                        # also BFCL multi_turn_base on its first 20 entries
+  python eval.py --bfcl 20                        # also BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
   failures_<agent>.jsonl, bfcl_<agent>.jsonl.
@@ -27,7 +28,7 @@ Run
 Simplifications vs the paper
   * our procedural retail/airline domains stand in for tau2-bench; scripted user by default;
   * CPU preset: few tasks and trials, short turns (see CPU_PRESET); the GPU defaults are larger;
-  * BFCL: only multi_turn_base; tools are given as OpenAI-style schemas without BFCL's "response"
+  * BFCL: tools are given as OpenAI-style schemas without BFCL's "response"
     field (saves ~25% context; still 3-5k tokens, so on 2 CPU cores an entry takes minutes: off by
     default); at most --bfcl-steps agent steps per turn (BFCL: 20), more is a force-terminated entry
     as in BFCL; all calls of a step are executed, as BFCL does. Our Hermes calls become BFCL's
@@ -62,6 +63,7 @@ GPU_DEFAULTS = dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30
 # on 2 cores. Same turn/token limits as rl.py's.
 CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", max_turns=7, max_new_tokens=80, max_context=3072, recheck=0,
                   bfcl_steps=4)
+BFCL_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 SMOKE = dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
              recheck=1, bfcl_steps=1)
 
@@ -92,7 +94,7 @@ def parse_args(argv=None):
                    "training samples at 1.0)")
     p.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (preset; 0 = off)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the CI")
-    p.add_argument("--bfcl", type=int, default=0, help="BFCL multi_turn_base entries to run per agent (0 = skip)")
+    p.add_argument("--bfcl", type=int, default=0, help="BFCL multi-turn entries per category (4 of them) per agent (0 = skip)")
     p.add_argument("--bfcl-steps", type=int, default=None, help="max agent steps per BFCL turn (preset; BFCL 20)")
     p.add_argument("--seed", type=int, default=0, help="task generation and rollout seed")
     p.add_argument("--smoke", action="store_true", help="tiny run for tests (< 2 min on CPU)")
@@ -295,6 +297,10 @@ def _forget(name: str):
         delattr(utils, key)
 
 
+def bfcl_category(entry: dict) -> str:
+    return entry["id"].rsplit("_", 1)[0]    # "multi_turn_miss_func_12" -> "multi_turn_miss_func", as BFCL reads it
+
+
 def bfcl_score(entry: dict, decoded: list[list[list[str]]], truth: list[list[str]]) -> dict:
     """BFCL's multi-turn checker on one entry. decoded: per turn, per step, the python-call strings."""
     _, _, multi_turn_checker, *_ = _bfcl()
@@ -302,7 +308,7 @@ def bfcl_score(entry: dict, decoded: list[list[list[str]]], truth: list[list[str
         return {"valid": False, "error_type": "multi_turn:force_terminated"}
     name = f"mua_{os.getpid()}_{next(_RUN_IDS)}"   # BFCL keeps API instances in globals keyed by this name
     try:
-        return multi_turn_checker(decoded, truth, entry, "multi_turn_base", name)
+        return multi_turn_checker(decoded, truth, entry, bfcl_category(entry), name)
     finally:
         _forget(name)
 
@@ -314,8 +320,11 @@ def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_cont
              progress: bool = True) -> list[dict]:
     """BFCL's multi-turn inference loop, batched over entries: each turn the user's query comes in,
     the agent calls functions (executed on BFCL's API classes) until it answers in text or runs out
-    of steps. Returns per entry {"id", "decoded" (per turn, per step, python calls), "messages", ...}."""
+    of steps. Returns per entry {"id", "decoded" (per turn, per step, python calls), "messages", ...}.
+    miss_func: a turn whose functions BFCL held back brings them in the user's message, as BFCL's
+    prompting handlers do (our system prompt is already in the cache); long_context: BFCL's long states."""
     _, utils, *_ = _bfcl()
+    from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING as HELD
     fmt, name = getattr(agent, "fmt", None) or rollout.ChatFormat(tokenizer), f"mua_{os.getpid()}_{next(_RUN_IDS)}"
     max_new = getattr(agent, "max_new_tokens", 256)
     convs = []
@@ -347,7 +356,7 @@ def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_cont
                 strs = [to_python_call(call, c["allowed"]) for call in calls]
                 ok = [s for s in strs if s is not None]
                 results, _ = utils.execute_multi_turn_func_call(ok, e["initial_config"], e["involved_classes"],
-                                                                name, e["id"])
+                                                                name, e["id"], "long_context" in e["id"])
                 it = iter(results)
                 obs = "\n".join(next(it) if s else f"Error: unknown function or bad arguments in {call}"
                                 for s, call in zip(strs, calls))
@@ -365,6 +374,10 @@ def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_cont
                 c["done"], c["reason"] = True, "finished"
                 continue
             query = "\n".join(m["content"] for m in e["question"][c["turn"]])
+            held = e.get("missed_function", {}).get(str(c["turn"]))
+            if held:                        # miss_func: the functions held back until this turn arrive now
+                c["allowed"] |= {f["name"] for f in held}
+                query = HELD.format(functions="\n".join(json.dumps(t) for t in bfcl_tools({"function": held})))
             c["steps"], c["decoded"] = 0, c["decoded"] + [[]]
             c["messages"].append({"role": "user", "content": query})
             c["ids"] += fmt.delta_ids("user", query)
@@ -373,9 +386,11 @@ def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_cont
             for c in convs]
 
 
-def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int = 8192, progress=True) -> dict:
-    """Accuracy of `agent` on the first n BFCL multi_turn_base entries, scored by BFCL's checker."""
-    entries, truth = load_bfcl(n)
+def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int = 8192, progress=True,
+                  categories=BFCL_CATEGORIES) -> dict:
+    """BFCL-v3 multi-turn as the paper reports it: the first n entries of each of its four categories (base,
+    miss_func, miss_param, long_context), scored by BFCL's checker; accuracy per category and their mean."""
+    entries, truth = [sum(x, []) for x in zip(*(load_bfcl(n, c) for c in categories))]
     t0 = time.time()
     runs = run_bfcl(agent, tokenizer, entries, max_steps, max_context, progress)
     records = []
@@ -384,7 +399,9 @@ def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int
         score = bfcl_score(e, decoded, gt)
         records.append({"id": e["id"], "valid": score["valid"], "error_type": score.get("error_type", ""),
                         "reason": r["reason"], "decoded": r["decoded"], "ground_truth": gt, "messages": r["messages"]})
-    return {"n": len(records), "accuracy": sum(r["valid"] for r in records) / max(1, len(records)),
+    per = {c: [r["valid"] for r in records if bfcl_category(r) == c] for c in categories}
+    per = {c: sum(v) / len(v) for c, v in per.items() if v}
+    return {"n": len(records), "accuracy": sum(per.values()) / max(1, len(per)), "per_category": per,
             "records": records, "seconds": time.time() - t0}
 
 
@@ -403,7 +420,8 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
              "each; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
              " | ".join(f"{g} pass^1" for g, _ in groups) + " | tool calls ok / err / malformed per 100 "
-             "turns | user-sim suspects | BFCL multi_turn_base |", "|---" * (len(ks) + len(groups) + 4) + "|"]
+             "turns | user-sim suspects | BFCL multi-turn (base / miss_func / miss_param / long_context: mean) |",
+             "|---" * (len(ks) + len(groups) + 4) + "|"]
     for a in agents:
         tau, bfcl = results[a]["tau"], results[a].get("bfcl")
         row = [fmt(tau["overall"], k) for k in ks] + [fmt(tau[key][g], 1) for key in ("per_domain", "per_tier")
@@ -412,7 +430,8 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
         row += [" / ".join(f"{100 * c[k] / max(1, c['turns']):.0f}" for k in ("ok", "err", "malformed")) +
                 f" ({c['turns']} turns)"]
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-",
-                f"{bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
+                " / ".join(f"{v:.3f}" for v in bfcl["per_category"].values()) +
+                f": {bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
         lines.append(f"| {a} | " + " | ".join(row) + " |")
     if pairs:
         lines += ["", "Paired on the same tasks and user seeds: pass^1 difference with a 95% paired bootstrap CI "
@@ -498,7 +517,7 @@ def main(argv=None):
                 for rec in bfcl["records"]:
                     f.write(json.dumps(rec) + "\n")
             results[label]["bfcl"] = {k: v for k, v in bfcl.items() if k != "records"}
-            print(f"{label}: BFCL multi_turn_base accuracy {bfcl['accuracy']:.3f} on {bfcl['n']} entries "
+            print(f"{label}: BFCL multi-turn {bfcl['per_category']}, mean {bfcl['accuracy']:.3f}, {bfcl['n']} entries "
                   f"({bfcl['seconds']:.0f}s)")
         del agent
     if not results:

@@ -110,7 +110,8 @@ def test_to_python_call_matches_bfcl_format_and_blocks_unsafe_names():
 def hermes(call: str, entry: dict) -> str:
     """A ground-truth python call `sort('a.txt')` as our Hermes tool-call text."""
     node = ast.parse(call, mode="eval").body
-    params = list(next(f for f in entry["function"] if f["name"] == node.func.id)["parameters"]["properties"])
+    docs = entry["function"] + sum(entry.get("missed_function", {}).values(), [])   # miss_func: held-back ones too
+    params = list(next(f for f in docs if f["name"] == node.func.id)["parameters"]["properties"])
     args = {params[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
     args.update({kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
     return "<tool_call>" + json.dumps({"name": node.func.id, "arguments": args}) + "</tool_call>"
@@ -143,15 +144,15 @@ def tok():
 
 def test_bfcl_loop_end_to_end(bfcl, tok, monkeypatch):
     entries, truth = bfcl
-    monkeypatch.setattr(ev, "load_bfcl", lambda n: (entries[:n], truth[:n]))
+    monkeypatch.setattr(ev, "load_bfcl", lambda n, category: (entries[:n], truth[:n]))
     good = ev.evaluate_bfcl(GroundTruthAgent(tok, {e["id"]: gt for e, gt in zip(entries, truth)}), tok, 3,
-                            progress=False)
+                            progress=False, categories=["multi_turn_base"])
     assert good["accuracy"] == 1.0 and good["n"] == 3
     rec = good["records"][0]                 # Hermes JSON -> python calls, executed on BFCL's file system
     assert rec["decoded"][0] == [["cd(folder='document')", "mkdir(dir_name='temp')",
                                   "mv(source='final_report.pdf',destination='temp')"]]
     assert "moved to 'temp/final_report.pdf'" in rec["messages"][3]["content"]
-    silent = ev.evaluate_bfcl(SilentAgent(tok), tok, 3, progress=False)
+    silent = ev.evaluate_bfcl(SilentAgent(tok), tok, 3, progress=False, categories=["multi_turn_base"])
     assert silent["accuracy"] == 0.0
     assert {r["error_type"] for r in silent["records"]} == {"multi_turn:empty_turn_model_response"}
 
@@ -163,11 +164,32 @@ class LoopingAgent(rollout.TextAgent):
 
 def test_bfcl_too_many_steps_is_force_terminated(bfcl, tok, monkeypatch):
     entries, truth = bfcl
-    monkeypatch.setattr(ev, "load_bfcl", lambda n: (entries[:n], truth[:n]))
-    out = ev.evaluate_bfcl(LoopingAgent(tok), tok, 1, max_steps=3, progress=False)
+    monkeypatch.setattr(ev, "load_bfcl", lambda n, category: (entries[:n], truth[:n]))
+    out = ev.evaluate_bfcl(LoopingAgent(tok), tok, 1, max_steps=3, progress=False, categories=["multi_turn_base"])
     rec = out["records"][0]
     assert rec["reason"] == "force_terminated" and len(rec["decoded"][0]) == 4   # 3 steps + the one over
     assert out["accuracy"] == 0.0 and rec["error_type"] == "multi_turn:force_terminated"
+
+
+def test_bfcl_runs_all_four_multi_turn_categories_with_bfcls_checker(tok):
+    """The paper's "BFCL-V3 Multi Turn" is four categories. Replaying each one's ground truth through our loop
+    passes BFCL's checker: miss_func's held-back function arrives in its turn, miss_param's turn with nothing
+    to call is answered in text, long_context runs on BFCL's long states."""
+    firsts = {c: ev.load_bfcl(1, c) for c in ev.BFCL_CATEGORIES}
+    entries = [e for es, _ in firsts.values() for e in es]
+    assert [ev.bfcl_category(e) for e in entries] == list(ev.BFCL_CATEGORIES)
+    truth = {e["id"]: gt for es, gts in firsts.values() for e, gt in zip(es, gts)}
+    held = entries[1]["missed_function"]                                  # miss_func: not offered up front
+    assert held and not {f["name"] for fs in held.values() for f in fs} & {f["name"] for f in entries[1]["function"]}
+    assert [] in truth[entries[2]["id"]]                                 # miss_param: a turn to ask, not call
+    out = ev.evaluate_bfcl(GroundTruthAgent(tok, truth), tok, 1, max_context=10**6, progress=False)
+    assert out["per_category"] == {c: 1.0 for c in ev.BFCL_CATEGORIES} and out["accuracy"] == 1.0 and out["n"] == 4
+    miss_func = next(r for r in out["records"] if r["id"] == entries[1]["id"])
+    turn = int(next(iter(held)))                                         # its query lists the held-back docs
+    query = [m["content"] for m in miss_func["messages"] if m["role"] == "user"][turn]
+    assert all(f'"name": "{f["name"]}"' in query for f in held[str(turn)])
+    silent = ev.evaluate_bfcl(SilentAgent(tok), tok, 1, max_context=10**6, progress=False)
+    assert silent["per_category"] == {c: 0.0 for c in ev.BFCL_CATEGORIES}
 
 
 # ----------------------------------------------------------------------------- pass^k on envs
@@ -224,11 +246,12 @@ def test_report_table_and_plot(tmp_path):
            "per_tier": {"easy": ev.summarize({"a": [1, 0]}, 20), "medium": ev.summarize({"b": [1, 1]}, 20)},
            "per_scenario": {"cancel_order": ev.summarize({"a": [1, 0]}, 20), "return_item": ev.summarize({"b": [1, 1]}, 20)},
            "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2}}
-    results = {"base": {"tau": tau}, "rl": {"tau": tau, "bfcl": {"accuracy": 0.25, "n": 4}}}
+    bfcl = {"accuracy": 0.25, "n": 4, "per_category": dict(zip(ev.BFCL_CATEGORIES, [0.0, 1.0, 0.0, 0.0]))}
+    results = {"base": {"tau": tau}, "rl": {"tau": tau, "bfcl": bfcl}}
     pairs = {"rl - base": ev.paired_difference({"a": [1, 0], "b": [1, 1]}, {"a": [0, 0], "b": [1, 1]}, 100)}
     table = ev.markdown(results, pairs)
     assert "| rl - base | +0.250 | [" in table and "| 1 | 0 | 1.0000 |" in table
-    assert "| base | 0.750 [" in table and "| 0.250 (4 entries) |" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
+    assert "| base | 0.750 [" in table and "| 0.000 / 1.000 / 0.000 / 0.000: 0.250 (4 entries) |" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
     assert "| 25 / 15 / 5 (40 turns) |" in table
     assert "| easy pass^1 | medium pass^1 |" in table and "(retail: 2, easy: 1, medium: 1)" in table
     ev.plot(results, str(tmp_path / "p.png"), pairs)
