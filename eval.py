@@ -1,7 +1,7 @@
 """Evaluation: pass^k on held-out tasks (base vs SFT vs RL), BFCL-v3 multi-turn offline, failures.
 
 What it does
-  1. pass^k on the held-out test split of envs.py (retail, airline), tau-bench's definition:
+  1. pass^k on the held-out test split of envs.py (retail, airline; or τ²-bench's own), tau-bench's definition:
      pass^k = mean over tasks of C(c, k) / C(n, k), where c of n trials succeeded (reward 1.0),
      with a bootstrap 95% CI over tasks, overall, per domain and per scenario. All trials of all
      tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training).
@@ -18,6 +18,7 @@ Run
   python eval.py --agents base,rl --trials 4      # pick agents; an adapter dir path also works as an agent
   python eval.py --agents openai:gpt-4o-mini --openai-base-url http://localhost:8000/v1   # any endpoint
   python eval.py --user openai:gpt-4o             # the paper's LLM user instead of the scripted one
+  python eval.py --domains tau2-retail,tau2-airline,tau2-telecom --user openai:gpt-4o   # τ²-bench's test split
   python eval.py --bfcl 20                        # also BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
@@ -26,7 +27,9 @@ Run
   numpy; the data, API classes and checker need only filelock and mpmath, which torch brings).
 
 Simplifications vs the paper
-  * our procedural retail/airline domains stand in for tau2-bench; scripted user by default;
+  * our procedural retail/airline domains by default, scripted user; τ²-bench itself with
+    --domains tau2-retail,tau2-airline,tau2-telecom --user openai:MODEL (its test split, its evaluators;
+    tau2_domains.py), printed beside the paper's Qwen3-8B and MUA-RL-8B pass^1;
   * CPU preset: few tasks and trials, short turns (see CPU_PRESET); the GPU defaults are larger;
   * BFCL: tools are given as OpenAI-style schemas without BFCL's "response"
     field (saves ~25% context; still 3-5k tokens, so on 2 CPU cores an entry takes minutes: off by
@@ -63,6 +66,8 @@ GPU_DEFAULTS = dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30
 # on 2 cores. Same turn/token limits as rl.py's.
 CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", max_turns=7, max_new_tokens=80, max_context=3072, recheck=0,
                   bfcl_steps=4)
+# The paper's τ² table (seed model card), pass^1 in %: Qwen3-8B non-thinking, MUA-RL-8B
+PAPER_TAU2 = {"tau2-retail": (41.0, 49.8), "tau2-airline": (12.5, 19.0), "tau2-telecom": (19.1, 21.8)}
 BFCL_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 SMOKE = dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
              recheck=1, bfcl_steps=1)
@@ -448,6 +453,16 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tau2_table(results: dict) -> str:
+    """τ² pass^k per domain on its test split, beside the paper's pass^1 (%); "" when no τ² domain ran."""
+    rows = [f"| {a} | {d} | {s['n_tasks']} | {s['trials']} | {100 * s['pass^k'][1]:.1f} | "
+            f"{100 * s['pass^k'][s['trials']]:.1f} | {PAPER_TAU2[d][0]} | {PAPER_TAU2[d][1]} |"
+            for a, r in results.items() for d, s in r["tau"]["per_domain"].items() if d in PAPER_TAU2]
+    return "\n".join(["", "τ²-bench, test split (τ²'s own evaluators), pass^k in %:", "",
+                      "| agent | domain | tasks | trials n | pass^1 | pass^n | paper Qwen3-8B | paper MUA-RL-8B |",
+                      "|---|---|---|---|---|---|---|---|"] + rows) + "\n" if rows else ""
+
+
 def plot(results: dict, path: str, pairs: dict | None = None):
     """pass^1 of every agent with its 95% CI (the paired differences in the title), and per scenario."""
     import matplotlib
@@ -527,7 +542,7 @@ def main(argv=None):
     labels = list(results)                  # every later agent against every earlier one, e.g. "rl - sft"
     pairs = {f"{b} - {a}": paired_difference(results[b]["tau"]["rewards"], results[a]["tau"]["rewards"], seed=args.seed)
              for i, a in enumerate(labels) for b in labels[i + 1:]}
-    table = markdown(results, pairs)
+    table = markdown(results, pairs) + tau2_table(results)
     print(table)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)

@@ -188,3 +188,11 @@ def test_one_real_episode_with_llama_cpp_as_the_tau2_user(llama_server, tok):
     assert t.stats["user_usage"]["prompt_tokens"] > 500                            # τ²'s guidelines + scenario
     assert t.reward in (0.0, 1.0)
 
+
+def test_eval_prints_tau2_beside_the_papers_numbers():
+    import eval as ev
+    s = ev.summarize({"a": [1, 0], "b": [0, 0]}, 20)
+    tau = {"per_domain": {"tau2-airline": s, "retail": s}}
+    table = ev.tau2_table({"base": {"tau": tau}})
+    assert "| base | tau2-airline | 2 | 2 | 25.0 | 0.0 | 12.5 | 19.0 |" in table and "| retail |" not in table
+    assert ev.tau2_table({"base": {"tau": {"per_domain": {"retail": s}}}}) == ""
