@@ -38,7 +38,7 @@ def llama_server(tmp_path_factory):
         port = s.getsockname()[1]
     log_path = tmp_path_factory.mktemp("llama") / "server.log"
     log = open(log_path, "w")
-    # n_ctx 4096: τ²'s user prompt (its guidelines and a scenario) is ~1k tokens before any conversation
+    # n_ctx 4096: τ²'s user prompt (its guidelines, a scenario and, in telecom, the phone's tools) comes first
     server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
                                "--port", str(port), "--n_ctx", "4096", "--n_threads", "2"], stdout=log, stderr=log)
     try:
