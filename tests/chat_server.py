@@ -64,7 +64,12 @@ class FakeServer:
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            # the stdlib's listen backlog is 5: a 6th connection at once waits for the client's 1-s SYN
+            # retry, which reads as a user pool that did not ask all at once
+            request_queue_size = 128
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
