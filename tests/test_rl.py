@@ -131,6 +131,34 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
     assert total2["kl_sum"] / total2["tokens"] > 0.0
 
 
+def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
+    """The sign of the whole path (advantages -> loss -> shared-prefix backward -> optimizer): after one
+    small SGD step, sum_i adv_i * log p(rollout i) goes up, i.e. the rewarded rollouts of each group
+    gain on the unrewarded ones. The rollouts share their prompt, so the shared-prefix pass is used."""
+    from kernels import sequence_logprobs
+    model = tiny_lora_model()
+    for n, p in model.named_parameters():              # non-zero B: A gets gradient too
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    trajs = fake_trajs()
+    for t in trajs[1:]:
+        t.token_ids[:5] = trajs[0].token_ids[:5]
+    ids, attn, mask = batch_trajectories(trajs, pad_id=2)
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+
+    def score():
+        with torch.no_grad():
+            return float((adv * (sequence_logprobs(model, ids, attn, mask) * mask).sum(1)).sum())
+    before = score()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    after = score()
+    print(f"sum adv * log p: {before:.4f} -> {after:.4f}")
+    assert after > before + 1e-3
+    grpo_update(model, opt, trajs, -adv, ARGS, pad_id=2)    # the opposite rewards undo it
+    assert score() < after - 1e-3
+
+
 def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     """From an SFT adapter the KL reference is that adapter, frozen (peft's "ref" beside the trained
     "default"): KL is 0 at the first update though the adapter is far from the base, rises after it,
