@@ -438,11 +438,12 @@ def main(argv=None):
         kept = kept[:args.tasks]
         t_roll = time.time() - t0
         # 3-4. reward -> group advantages, within each kept group
-        train = [t for g in kept for t in g]
-        adv, _ = group_advantages(torch.tensor([t.reward for t in train]), G)
-        # 5-7. log-probs (policy / old / reference) -> loss -> clip -> AdamW
-        model.train()
-        st = grpo_update(model, optimizer, train, adv, args, pad_id) if train else None
+        train, st = [t for g in kept for t in g], None                 # st None: no group, no update
+        if train:
+            adv, _ = group_advantages(torch.tensor([t.reward for t in train]), G)
+            # 5-7. log-probs (policy / old / reference) -> loss -> clip -> AdamW
+            model.train()
+            st = grpo_update(model, optimizer, train, adv, args, pad_id)
         t_train = time.time() - t0 - t_roll
         rewards = torch.tensor([t.reward for t in rollouts])
         sampled = sum(sum(t.loss_mask) for t in rollouts)

@@ -1,5 +1,6 @@
 """τ²-bench through our loop (tau2_domains.py): splits, the gold oracle and doing nothing under τ²'s own
-evaluators, τ²'s user with telecom's phone tools, and (slow) one real episode with a llama.cpp server as the user.
+evaluators, τ²'s user with telecom's phone tools, sft.py and rl.py on its train split, and (slow) one real
+episode with a llama.cpp server as the user.
 
 Run:  pytest tests/test_tau2.py -s            # prints the gold / no-op sweep per domain
       pytest tests/test_tau2.py -m slow -s    # one episode against llama-cpp-python's server
@@ -164,3 +165,37 @@ def test_eval_prints_tau2_beside_the_papers_numbers():
     table = ev.tau2_table({"base": {"tau": tau}})
     assert "| base | tau2-airline | 2 | 2 | 25.0 | 0.0 | 12.5 | 19.0 |" in table and "| retail |" not in table
     assert ev.tau2_table({"base": {"tau": {"per_domain": {"retail": s}}}}) == ""
+
+
+def test_sft_then_rl_train_on_a_tau2_train_split(tmp_path):
+    """sft.py (the oracle on τ²'s train tasks) then rl.py (GRPO from that adapter, an OpenAI-compatible
+    user playing τ²'s scenario) run by domain name: a random 2-layer Llama with the default model's
+    tokenizer stands in for the model, so τ²'s 5k-token prompts cost seconds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = rollout.load_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384))
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    common = ["--smoke", "--model", str(tmp_path / "model"), "--domains", "tau2-airline"]
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=repo, capture_output=True, text=True,  # noqa: E731
+                                      timeout=900)
+    r = run("sft.py", *common, "--user", "oracle", "--max-len", "8192", "--out", str(tmp_path / "sft"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "data: kept 1/1" in r.stdout, r.stdout[-2000:]       # the oracle solved its τ² task ...
+    assert [json.loads(line)["task_id"] for line in open(tmp_path / "sft" / "data.jsonl")] == ["tau2-airline-train-0"]
+    with FakeServer("ok") as srv:
+        r = run("rl.py", *common, "--init", str(tmp_path / "sft" / "adapter"), "--user", "openai:sim",
+                "--user-base-url", srv.url, "--max-context", "8192", "--eval-skip", "0", "--out", str(tmp_path / "rl"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert srv.requests and "<scenario>" in srv.requests[0]["body"]["messages"][0]["content"]   # τ²'s user prompt
+    steps = [json.loads(line) for line in open(tmp_path / "rl" / "metrics.jsonl")]
+    assert [m["step"] for m in steps] == [0, 1, 2] and all(m["tokens"] > 0 for m in steps[1:])
+    assert os.path.exists(tmp_path / "rl" / "adapter" / "adapter_config.json")
