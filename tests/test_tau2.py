@@ -2,8 +2,8 @@
 evaluators, τ²'s user with telecom's phone tools, sft.py and rl.py on its train split, and (slow) one real
 episode with a llama.cpp server as the user.
 
-Run:  pytest tests/test_tau2.py -s            # prints the gold / no-op sweep per domain
-      pytest tests/test_tau2.py -m slow -s    # one episode against llama-cpp-python's server
+Run:  pytest tests/test_tau2.py -s            # gold / no-op sweeps: telecom whole, retail and airline's first 12
+      pytest tests/test_tau2.py -m slow -s    # retail and airline whole, one episode against llama.cpp's server
 """
 import time
 
@@ -37,14 +37,22 @@ def test_splits_are_tau2s_own_and_disjoint(domain):
     assert envs.held_out_tasks([domain], 5, ["easy"]) == test[:5]
 
 
-@pytest.mark.parametrize("domain", envs.TAU2_DOMAINS)
-def test_gold_oracle_scores_one_on_every_base_task_and_doing_nothing_on_the_no_change_ones(domain, tok, monkeypatch):
+# Every base task of each domain; retail's and airline's full sweeps take minutes (τ²'s evaluator replays
+# and hashes the DB), so the fast suite sweeps their first 12 tasks and `-m slow` (run by CI) all of them.
+SWEEPS = [("tau2-retail", 12), ("tau2-airline", 12), ("tau2-telecom", None),
+          pytest.param("tau2-retail", None, marks=pytest.mark.slow),
+          pytest.param("tau2-airline", None, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("domain,n", SWEEPS)
+def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(domain, n, tok, monkeypatch):
     """The oracle agent (sft.OracleAgent on a τ² task) makes the agent's gold calls and says the communicate
-    info; the oracle user makes the user's gold calls (telecom) on the same env. Scored by τ²'s evaluators."""
+    info; the oracle user makes the user's gold calls (telecom) on the same env. Scored by τ²'s evaluators.
+    n: the first n base tasks (None: all, where doing nothing must pass exactly the no-change tasks)."""
     made = []
     monkeypatch.setattr(envs, "make_env", lambda task, shaped=False, f=envs.make_env: made.append(f(task, shaped))
                         or made[-1])
-    tasks = envs.make_tasks(domain, "base", 10**6)
+    tasks = envs.make_tasks(domain, "base", 10**6)[:n]
     t0 = time.time()
     trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, tasks, user="oracle", max_turns=80, max_context=10**6,
                                  progress=False)
@@ -62,7 +70,10 @@ def test_gold_oracle_scores_one_on_every_base_task_and_doing_nothing_on_the_no_c
     nothing = [envs.make_env(t).reward([], stop_reason="user_stop") for t in tasks]
     print(f"\n{domain}: gold {sum(t.reward == 1.0 for t in trajs)}/{len(tasks)} ({gold_s:.0f} s, {user_calls} user "
           f"tool calls), doing nothing {sum(r == 1.0 for r in nothing)}/{len(tasks)} ({time.time() - t0:.0f} s)")
-    assert sum(r == 1.0 for r in nothing) == NO_OP_PASSES[domain]
+    if n is None:
+        assert sum(r == 1.0 for r in nothing) == NO_OP_PASSES[domain]
+    else:
+        assert sum(r == 1.0 for r in nothing) < n                   # most tasks ask for a change
 
 
 def test_reward_is_taus_product_and_explains_itself():
