@@ -5,6 +5,10 @@ episode with a llama.cpp server as the user.
 Run:  pytest tests/test_tau2.py -s            # gold / no-op sweeps: telecom whole, retail and airline's first 12
       pytest tests/test_tau2.py -m slow -s    # retail and airline whole, one episode against llama.cpp's server
 """
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -182,10 +186,6 @@ def test_sft_then_rl_train_on_a_tau2_train_split(tmp_path):
     """sft.py (the oracle on τ²'s train tasks) then rl.py (GRPO from that adapter, an OpenAI-compatible
     user playing τ²'s scenario) run by domain name: a random 2-layer Llama with the default model's
     tokenizer stands in for the model, so τ²'s 5k-token prompts cost seconds."""
-    import json
-    import os
-    import subprocess
-    import sys
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     tok = rollout.load_tokenizer()
