@@ -4,8 +4,9 @@ Each step, in the `for step` loop of main(): roll out G conversations per train 
 fresh Env and a fresh simulated user -> binary task reward -> keep the groups whose rewards differ
 (dynamic sampling: draw more tasks until enough such groups are found, capped) -> group advantages
 (r - mean) / (std + eps) -> per-token log-probs of the policy, the old policy and the reference (the
-policy RL started from, frozen) -> PPO-clipped loss + beta * k3 KL, token mean over the tokens the
-policy sampled -> grad clip -> AdamW. Every --eval-every steps: held-out pass^1, the curve to trust.
+policy RL started from, frozen) -> PPO-clipped loss + beta * k3 KL, averaged over the tokens the
+policy sampled (--loss-agg: per token, or per rollout first) -> grad clip -> AdamW. Every --eval-every
+steps: held-out pass^1, the curve to trust.
 
 Run:
     python rl.py                        # from runs/sft/adapter; CPU preset on CPU, paper sizes on GPU
@@ -50,8 +51,8 @@ import time
 import torch
 
 GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
-                    max_context=8192, micro_batch=1, lr=2e-5, tiers="easy,medium,hard", ckpt_every=10,
-                    eval_every=10, eval_tasks=24, grad_checkpointing="on")
+                    max_context=8192, micro_batch=1, lr=2e-5, loss_agg="token-mean", tiers="easy,medium,hard",
+                    ckpt_every=10, eval_every=10, eval_tasks=24, grad_checkpointing="on")
 # CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings). One
 # rollout batch of 12 tasks x 4: a decode step costs about the same for 48 rows as for 8, so a wide batch finds
 # groups with reward variance almost for free, and training (~linear in sequences) is the step's cost: 2 such
@@ -60,11 +61,11 @@ GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max
 # weight by ~lr a step (its first step exactly lr), the SFT adapter's B entries are ~4e-3, and 5e-4
 # wrecked the SFT policy in one step.
 CPU_PRESET = dict(steps=2, tasks=2, draw=12, max_draws=2, group_size=4, max_turns=7, max_new_tokens=80,
-                  max_context=3072, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, eval_every=2,
+                  max_context=3072, micro_batch=2, lr=1e-4, loss_agg="token-mean", tiers="easy", ckpt_every=1, eval_every=2,
                   eval_tasks=12, grad_checkpointing="off")
 SMOKE = dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
-             max_context=2560, micro_batch=2, lr=1e-4, tiers="easy", ckpt_every=1, eval_every=2, eval_tasks=1,
-             grad_checkpointing="off")
+             max_context=2560, micro_batch=2, lr=1e-4, loss_agg="token-mean", tiers="easy", ckpt_every=1, eval_every=2,
+             eval_tasks=1, grad_checkpointing="off")
 
 
 def parse_args(argv=None):
@@ -98,6 +99,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper 1.0)")
     p.add_argument("--kl-coef", type=float, default=0.001, help="beta for the k3 KL to the reference (paper 0.001)")
     p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon (paper 0.2)")
+    p.add_argument("--loss-agg", default=None, choices=["token-mean", "seq-mean"], help="token-mean: every sampled "
+                   "token weighs the same (DAPO, official code); seq-mean: every rollout does (GRPO paper) (preset)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (preset)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
@@ -158,10 +161,17 @@ def batch_trajectories(trajs, pad_id):
     return ids, attn, mask
 
 
-def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, n_tokens=None):
-    """PPO-clipped GRPO loss with k3 KL to the reference, token-mean over masked tokens.
-    logp/old_logp/ref_logp/mask: (B, T); adv: (B,). n_tokens: the normaliser (default mask.sum();
-    pass the whole mini-batch's count when accumulating over micro-batches).
+def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, agg="token-mean", n_tokens=None,
+              n_seqs=None):
+    """PPO-clipped GRPO loss with k3 KL to the reference, over masked tokens.
+    logp/old_logp/ref_logp/mask: (B, T); adv: (B,). agg, how per-token terms become one number:
+      "token-mean": the sum over all masked tokens / n_tokens (default mask.sum()): a long rollout weighs
+        more (DAPO; the official code's default);
+      "seq-mean": each rollout's token mean, summed / n_seqs (default B): every rollout weighs the same
+        (the GRPO paper's 1/|o_i|). A group's advantages sum to 0, so a token every rollout emits at the
+        same rate (the tool-call format) gets no net push. Under token-mean it gets sum_i A_i |o_i|, which
+        is negative when failures run longer (they loop to the turn cap): the shared format is pushed down.
+    Pass the whole mini-batch's n_tokens / n_seqs when accumulating over micro-batches.
     Returns (loss, stats) with stats summed over tokens so micro-batches add up."""
     m = mask.bool()
     # zero masked positions first: pads may hold anything, and their gradient must be exactly 0
@@ -173,8 +183,12 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, n_token
     d = ref_logp - logp
     kl = torch.exp(d) - d - 1
     per_token = (-surrogate + beta * kl) * m
-    n = n_tokens if n_tokens is not None else m.sum().clamp(min=1)
-    loss = per_token.sum() / n
+    if agg == "token-mean":
+        loss = per_token.sum() / (n_tokens if n_tokens is not None else m.sum().clamp(min=1))
+    elif agg == "seq-mean":
+        loss = (per_token.sum(1) / m.sum(1).clamp(min=1)).sum() / (n_seqs if n_seqs is not None else len(m))
+    else:
+        raise ValueError(f"agg {agg!r}: token-mean or seq-mean")
     clipped = ((ratio - 1).abs() > clip) & m
     stats = dict(kl_sum=(kl * m).sum().item(), clipped=clipped.sum().item(), tokens=m.sum().item())
     return loss, stats
@@ -220,6 +234,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id):
     for s in range(0, len(micro), per):
         chunk = micro[s:s + per]
         n_tokens = max(1, sum(int(mb["mask"].sum()) for mb in chunk))
+        n_seqs = sum(len(mb["ids"]) for mb in chunk)
         optimizer.zero_grad(set_to_none=True)
         for prefix, mbs in by_prefix(chunk):     # gradients add up over the domains of the mini-batch
 
@@ -227,7 +242,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id):
                 mb = mbs[i]
                 old = mb["old"] if "old" in mb else logp.detach()
                 loss, st = grpo_loss(logp, old, mb["ref"], mb["adv"], mb["mask"], args.clip, args.kl_coef,
-                                     n_tokens=n_tokens)
+                                     args.loss_agg, n_tokens, n_seqs)
                 for k in ("kl_sum", "clipped", "tokens"):
                     total[k] += st[k]
                 return loss

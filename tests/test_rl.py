@@ -65,6 +65,29 @@ def test_grpo_loss_matches_hand_computation():
     assert g[1, 1].item() == pytest.approx((1.0 + 0.1 * (1 - math.exp(0.2))) / 3, abs=1e-6)
 
 
+def test_seq_mean_averages_each_rollouts_token_mean():
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
+    ref = torch.tensor([[0.0, -1.0, -2.5], [0.0, -0.3, 0.0]])
+    loss, _ = grpo_loss(logp, logp, ref, torch.tensor([1.0, -1.0]), mask, beta=0.1, agg="seq-mean")
+    kl_b, kl_c = math.exp(-0.5) + 0.5 - 1, math.exp(0.2) - 0.2 - 1
+    assert loss.item() == pytest.approx(((-1 - 1 + 0.1 * kl_b) / 2 + (1 + 0.1 * kl_c) / 1) / 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("agg, push", [("seq-mean", 0.0), ("token-mean", -1 / 3)])
+def test_a_token_every_rollout_emits_gets_no_push_only_under_seq_mean(agg, push):
+    """One group: the success is 2 tokens long, the failure 4 (it looped), and every token is the same
+    format token at the same probability. Advantages sum to 0, so the format should not move: seq-mean
+    leaves its log-prob alone; token-mean pushes it down by sum_i A_i |o_i| / sum_i |o_i| = (2 - 4) / 6."""
+    logp = torch.tensor(math.log(0.5), requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    per_token = logp.expand(2, 4)
+    loss, _ = grpo_loss(per_token, per_token.detach(), per_token.detach(), torch.tensor([1.0, -1.0]), mask,
+                        beta=0.0, agg=agg)
+    loss.backward()
+    assert -logp.grad.item() == pytest.approx(push, abs=1e-7)      # gradient descent moves logp by -grad
+
+
 def test_negative_advantage_clips_low_side():
     mask = torch.ones(1, 1)
     loss, st = grpo_loss(torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), torch.zeros(1, 1),
@@ -105,7 +128,7 @@ def fake_trajs(n=4, seed=1):
 
 
 ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.1, max_grad_norm=1.0,
-                      grad_checkpointing="off")
+                      grad_checkpointing="off", loss_agg="token-mean")
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
@@ -228,8 +251,9 @@ def test_masked_tokens_get_zero_gradient_through_the_model():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
 
 
-@pytest.mark.parametrize("mini_batches, domains", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_shared_system_prompt_gives_the_same_update(mini_batches, domains):
+@pytest.mark.parametrize("mini_batches, domains, agg", [(1, 1, "token-mean"), (2, 1, "token-mean"),
+                                                      (1, 2, "token-mean"), (2, 2, "seq-mean")])
+def test_shared_system_prompt_gives_the_same_update(mini_batches, domains, agg):
     """Rollouts of a domain share its system prompt: run once per domain (grad_checkpointing off) or per
     sequence (on), the stats and the updated weights are the same, with one domain in the step or two."""
     prompts = [torch.randint(3, 64, (4,), generator=torch.Generator().manual_seed(5 + d)).tolist() for d in range(2)]
@@ -245,13 +269,32 @@ def test_shared_system_prompt_gives_the_same_update(mini_batches, domains):
             if p.requires_grad:
                 torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)   # update = gradient
-        args = SimpleNamespace(**{**vars(ARGS), "grad_checkpointing": ckpt, "mini_batches": mini_batches})
+        args = SimpleNamespace(**{**vars(ARGS), "grad_checkpointing": ckpt, "mini_batches": mini_batches,
+                                  "loss_agg": agg})
         runs[ckpt] = grpo_update(model, opt, trajs, adv, args, pad_id=2), [p.detach().clone() for p in model.parameters()]
     (st_on, w_on), (st_off, w_off) = runs["on"], runs["off"]
     print(st_on, st_off)
     assert st_on["tokens"] == st_off["tokens"] and st_on["kl_sum"] == pytest.approx(st_off["kl_sum"], rel=1e-4)
     assert st_on["grad_norm"] == pytest.approx(st_off["grad_norm"], rel=1e-4) and st_on["grad_norm"] > 0
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w_on, w_off))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
+def test_micro_batches_add_up_to_the_whole_batch(agg):
+    """Gradient accumulation over micro-batches of 1 gives the update of one micro-batch of all 4."""
+    trajs, adv = fake_trajs(), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    updates = []
+    for micro in (1, 4):
+        model = tiny_lora_model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
+        before = [p.detach().clone() for p in params]
+        opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
+        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "micro_batch": micro, "loss_agg": agg}), 2)
+        updates.append([p.detach() - b for p, b in zip(params, before)])
+    assert max(u.abs().max().item() for u in updates[0]) > 1e-4
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*updates))
 
 
 def test_mini_batches_make_ratio_depart_from_one():
