@@ -514,10 +514,11 @@ def ask_users(calls: list, workers: int) -> list:
         return list(pool.map(call, calls))
 
 
-def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
+def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
                  user_workers: int = 16, **user_kw) -> list[Trajectory]:
-    """len(tasks) * group_size rollouts, task-major. Each round every conversation waiting on the agent
+    """len(tasks) * group_size rollouts, task-major. user_kw goes to each user (the local user's own model=,
+    tokenizer=: the first three parameters are positional-only so that it can). Each round every conversation waiting on the agent
     is advanced by one agent.act() call; then each executes its first tool call or gets its user's reply.
     Users that can (LLM users over HTTP) are asked together, user_workers at a time: the first messages,
     then each round's replies. Sampling randomness comes from torch's global RNG (seed it in the caller

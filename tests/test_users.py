@@ -221,13 +221,17 @@ def test_a_failing_user_ends_only_its_own_rollout_and_retries_stay_per_conversat
 
 # ---------------------------------------------------------------- LocalUser: a tiny random model
 
-def test_local_user_returns_text_and_never_sees_tools():
+def tiny_random_llama(tok):
     from transformers import LlamaConfig, LlamaForCausalLM
-    tok = rollout.load_tokenizer()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=1024)).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=4096)).eval()
+
+
+def test_local_user_returns_text_and_never_sees_tools():
+    tok = rollout.load_tokenizer()
+    model = tiny_random_llama(tok)
     seen, generate = [], model.generate
     model.generate = lambda ids, **kw: seen.append(ids) or generate(ids, **kw)   # record the prompt
     user = U.LocalUser(TASK, model, tok, max_new_tokens=8)
@@ -239,6 +243,18 @@ def test_local_user_returns_text_and_never_sees_tools():
         assert hidden not in prompt
     assert user.usage["prompt_tokens"] == seen[0].shape[1] + seen[1].shape[1]
     assert 0 < user.usage["completion_tokens"] <= 16
+
+
+def test_local_user_plays_whole_episodes_in_run_episodes():
+    """rl.py / eval.py --user local hand the user its own model= and tokenizer= through run_episodes."""
+    import envs
+    import sft
+    tok = rollout.load_tokenizer()
+    task = envs.make_tasks("retail", "test", 1)[0]
+    trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, [task], group_size=2, user="local", max_turns=2,
+                                 progress=False, model=tiny_random_llama(tok), tokenizer=tok)
+    assert [t.stop_reason for t in trajs] != ["error", "error"] and all(t.turns >= 1 for t in trajs)
+    assert all(t.stats["user_usage"]["completion_tokens"] > 0 for t in trajs)
 
 
 # ---------------------------------------------------------------- end to end: a real llama.cpp server
