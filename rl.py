@@ -291,7 +291,7 @@ def restore_checkpoint(ckpt, optimizer):
     return p["step"], p["metrics"]
 
 
-def plot(metrics, path):
+def plot(metrics, path, temperature):
     """Training reward and held-out pass^1 (the curve that matters), KL to the reference, groups trained."""
     import matplotlib
     matplotlib.use("Agg")
@@ -299,7 +299,7 @@ def plot(metrics, path):
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.3))
     trained = [m for m in metrics if "reward" in m]
     evals = [m for m in metrics if m.get("heldout_pass1") is not None]
-    axes[0].plot([m["step"] for m in trained], [m["pass_rate"] for m in trained], marker=".", label="train rollouts (T=1)")
+    axes[0].plot([m["step"] for m in trained], [m["pass_rate"] for m in trained], marker=".", label=f"train rollouts (T={temperature:g})")
     axes[0].plot([m["step"] for m in evals], [m["heldout_pass1"] for m in evals], marker="o", label="held-out (greedy)")
     axes[0].set(title="pass^1", xlabel="step", ylim=(-0.02, 1.02))
     axes[0].legend(fontsize=8)
@@ -484,7 +484,7 @@ def main(argv=None):
             save_checkpoint(args.out, step + 1, model, optimizer, metrics)
     model.save_pretrained(os.path.join(args.out, "adapter"), selected_adapters=["default"])
     if metrics:
-        plot(metrics, os.path.join(args.out, "rl.png"))
+        plot(metrics, os.path.join(args.out, "rl.png"), args.temperature)
     print(f"adapter -> {os.path.join(args.out, 'adapter')}")
     return metrics
 
