@@ -517,9 +517,10 @@ def ask_users(calls: list, workers: int) -> list:
 def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
                  user_workers: int = 16, **user_kw) -> list[Trajectory]:
-    """len(tasks) * group_size rollouts, task-major. user_kw goes to each user (the local user's own model=,
-    tokenizer=: the first three parameters are positional-only so that it can). Each round every conversation waiting on the agent
-    is advanced by one agent.act() call; then each executes its first tool call or gets its user's reply.
+    """len(tasks) * group_size rollouts, task-major. user_kw goes to make_user (the local user's own model=
+    and tokenizer=: the first three parameters are positional-only so that they can). Each round every
+    conversation waiting on the agent is advanced by one agent.act() call; then each executes its first tool
+    call or gets its user's reply.
     Users that can (LLM users over HTTP) are asked together, user_workers at a time: the first messages,
     then each round's replies. Sampling randomness comes from torch's global RNG (seed it in the caller
     for reproducible runs). The chat format (e.g. thinking on or off) is the agent's."""

@@ -253,7 +253,7 @@ def test_local_user_plays_whole_episodes_in_run_episodes():
     task = envs.make_tasks("retail", "test", 1)[0]
     trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, [task], group_size=2, user="local", max_turns=2,
                                  progress=False, model=tiny_random_llama(tok), tokenizer=tok)
-    assert [t.stop_reason for t in trajs] != ["error", "error"] and all(t.turns >= 1 for t in trajs)
+    assert all(t.stop_reason != "error" and t.turns >= 1 for t in trajs)
     assert all(t.stats["user_usage"]["completion_tokens"] > 0 for t in trajs)
 
 
