@@ -452,6 +452,9 @@ def main(argv=None):
             if len(kept) >= args.tasks:
                 break
         kept = kept[:args.tasks]
+        trained_ids = {g[0].task_id for g in kept}
+        per_group = [dict(task=g[0].task_id, scenario=g[0].scenario, rewards=[t.reward for t in g],
+                          trained=g[0].task_id in trained_ids) for g in (rollouts[i:i + G] for i in range(0, len(rollouts), G))]
         t_roll = time.time() - t0
         # 3-4. reward -> group advantages, within each kept group
         train, st = [t for g in kept for t in g], None                 # st None: no group, no update
@@ -470,7 +473,7 @@ def main(argv=None):
                  grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
                  entropy=-sum(sum(t.logprobs) for t in rollouts) / max(sampled, 1), tokens=sampled,
                  train_tokens=st["tokens"] if st else 0, turns=sum(t.turns for t in rollouts) / len(rollouts),
-                 rollout_s=t_roll, train_s=t_train)
+                 rollout_s=t_roll, train_s=t_train, per_group=per_group)   # which groups taught what
         if args.eval_every and (step + 1) % args.eval_every == 0:
             t1 = time.time()
             m.update(heldout_pass1=heldout_pass1(model, tok, heldout, args, user_kw), eval_s=time.time() - t1)

@@ -409,6 +409,10 @@ def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_
     print("steps that trained:", trained, "KL:", [x["kl"] for x in after])
     assert any(s <= done for s in trained) and any(s > done for s in trained)   # updates before and after the kill
     assert after[0]["kl"] is not None and after[0]["kl"] < 1e-6       # step 1: the policy is its reference
+    for x in after:                                   # the per-group log matches the counts, and only
+        g = x["per_group"]                            # groups whose rewards differ were trained
+        assert len(g) == x["groups_drawn"] and sum(y["trained"] for y in g) == x["groups_trained"]
+        assert all(len(set(y["rewards"])) > 1 for y in g if y["trained"])
     same = lambda ms: [(x["reward"], x["groups_trained"], x["tokens"], round(x["entropy"], 4),
                         None if x["kl"] is None else round(x["kl"], 6),
                         None if x["grad_norm"] is None else round(x["grad_norm"], 5)) for x in ms]
