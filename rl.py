@@ -18,9 +18,10 @@ Run:
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale
     python rl.py --domains tau2-retail,tau2-airline,tau2-telecom --user openai:gpt-4o   # τ²-bench's train split
     python rl.py --memory-check         # Qwen3-8B shapes, random NF4 weights, one step, peak GPU memory (CPU: tiny shapes)
-Everything goes under --out (default runs/rl): args.json, metrics.jsonl, rl.png, reference/ (the
-starting adapter), checkpoints (ckpt-NNNNNN/: adapter, optimizer, RNG states, metrics) and adapter/ at
-the end. Rerun the same command after a kill: it resumes from the latest checkpoint.
+Everything goes under --out (default runs/rl): args.json, metrics.jsonl (a line a step, with each
+drawn group's task, rewards and whether it was trained), rl.png, reference/ (the starting adapter),
+checkpoints (ckpt-NNNNNN/: adapter, optimizer, RNG states, metrics) and adapter/ at the end. Rerun the
+same command after a kill: it resumes from the latest checkpoint.
 
 Simplifications versus the paper and its official code:
 - SmolLM2-135M-Instruct (bundled, fp32 on CPU) instead of Qwen3-8B/14B/32B; LoRA (r 16) instead of full
