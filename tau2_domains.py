@@ -22,8 +22,8 @@ import pickle
 from dataclasses import dataclass, field
 
 import users
+from envs import TAU2_DOMAINS
 
-TAU2_DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")
 STOPS = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")   # how τ²'s user ends a conversation
 ASK_USER = "Please do this on your phone:"                        # the oracle agent's request for user actions
 

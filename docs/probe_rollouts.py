@@ -4,7 +4,7 @@ From the repo root: python docs/probe_rollouts.py TEMPERATURE OUT.pkl (README, "
 import os, pickle, random, sys, time, torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rl, rollout, envs
-args = rl.parse_args("--domains airline --group-size 8 --draw 6 --max-draws 1 --tasks 6 --steps 1 --lr 2e-4 --eval-every 0 --out /tmp/exp/rl_probe".split())
+args = rl.parse_args("--domains airline --group-size 8 --draw 6 --max-draws 1 --tasks 6 --steps 1 --lr 2e-4 --eval-every 0 --out runs/rl_probe".split())
 torch.set_num_threads(2)
 model, tok = rollout.load_model(rollout.DEFAULT_MODEL)
 model, _ = rl.load_policy(args, model)
@@ -12,11 +12,13 @@ random.seed(0); torch.manual_seed(0)
 pool = envs.train_tasks("airline", args.task_pool, ["easy"], 0)
 rng = random.Random(0 * 1_000_003 + 0)
 order = rng.sample(pool, len(pool))[:6]
-T = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
+if len(sys.argv) != 3:
+    sys.exit(__doc__)
+T, path = float(sys.argv[1]), sys.argv[2]
 agent = rollout.ModelAgent(model, tok, temperature=T, max_new_tokens=80)
 model.eval(); t0 = time.time()
 trajs = rollout.run_episodes(agent, tok, order, group_size=8, max_turns=7, max_context=3072, seed=0, progress=False)
 print("rollout_s", time.time() - t0)
 for i in range(6):
     g = trajs[i*8:(i+1)*8]; print(g[0].task_id, [t.reward for t in g], [len(t.token_ids) for t in g], [sum(t.loss_mask) for t in g])
-pickle.dump(trajs, open(sys.argv[2] if len(sys.argv) > 2 else "/tmp/exp/trajs.pkl", "wb"))
+pickle.dump(trajs, open(path, "wb"))

@@ -6,6 +6,8 @@ From the repo root: TEMP=T TRAJS=X.pkl python docs/probe_update.py AGG LR OUT [a
 import os, pickle, random, sys, time, json, torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rl, rollout, envs
+if len(sys.argv) < 4 or "TRAJS" not in os.environ:
+    sys.exit(__doc__)
 agg, lr, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 T = os.environ.get("TEMP", "1.0")
 args = rl.parse_args(f"--domains airline --group-size 8 --lr {lr} --loss-agg {agg} --temperature {T} --eval-every 0 --out {out}".split())
@@ -13,7 +15,7 @@ torch.set_num_threads(2)
 model, tok = rollout.load_model(rollout.DEFAULT_MODEL)
 model, _ = rl.load_policy(args, model)
 random.seed(0); torch.manual_seed(0)
-trajs = pickle.load(open(os.environ.get("TRAJS", "/tmp/exp/trajs.pkl"), "rb"))
+trajs = pickle.load(open(os.environ["TRAJS"], "rb"))
 G = 8
 groups = [trajs[i*G:(i+1)*G] for i in range(len(trajs)//G)]
 kept = [g for g in groups if len({t.reward for t in g}) > 1][:3]
