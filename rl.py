@@ -436,7 +436,7 @@ def main(argv=None):
         shuffled = [rng.sample(pools[d], len(pools[d])) for d in domains]
         order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]
         model.eval()                           # generation with KV cache; checkpointing is train-only
-        rollouts, kept = [], []
+        drawn, kept = [], []
         for d in range(args.max_draws):
             tasks = order[d * args.draw:(d + 1) * args.draw]
             try:
@@ -447,15 +447,14 @@ def main(argv=None):
                 sys.exit(str(e))
             if all(t.stop_reason == "error" for t in trajs):   # e.g. the user server went down mid-run
                 sys.exit(f"every rollout failed: {trajs[0].stats.get('error')}")
-            rollouts += trajs
             groups = [trajs[i * G:(i + 1) * G] for i in range(len(tasks))]
+            drawn += groups
             kept += [g for g in groups if len({t.reward for t in g}) > 1]    # the rest carry no signal
             if len(kept) >= args.tasks:
                 break
-        kept = kept[:args.tasks]
-        trained_ids = {g[0].task_id for g in kept}
+        kept, rollouts = kept[:args.tasks], [t for g in drawn for t in g]
         per_group = [dict(task=g[0].task_id, scenario=g[0].scenario, rewards=[t.reward for t in g],
-                          trained=g[0].task_id in trained_ids) for g in (rollouts[i:i + G] for i in range(0, len(rollouts), G))]
+                          trained=any(g is k for k in kept)) for g in drawn]
         t_roll = time.time() - t0
         # 3-4. reward -> group advantages, within each kept group
         train, st = [t for g in kept for t in g], None                 # st None: no group, no update
@@ -468,7 +467,7 @@ def main(argv=None):
         rewards = torch.tensor([t.reward for t in rollouts])
         sampled = sum(sum(t.loss_mask) for t in rollouts)
         m = dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
-                 groups_drawn=len(rollouts) // G, groups_trained=len(kept), draws=len(rollouts) // G // args.draw,
+                 groups_drawn=len(drawn), groups_trained=len(kept), draws=len(drawn) // args.draw,
                  kl=st["kl_sum"] / max(st["tokens"], 1) if st else None,       # None: no group, no update
                  clip_frac=st["clipped"] / max(st["tokens"], 1) if st else None,
                  grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,

@@ -4,7 +4,7 @@
 of each count instead. From the repo root:
     python docs/probe_balanced_sft.py runs/sft_bal         # then: python eval.py --agents sft,runs/sft_bal/adapter
 """
-import os, re, sys
+import os, sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs, sft
 
@@ -14,7 +14,7 @@ train_tasks = envs.train_tasks
 
 
 def bags_asked(task) -> int:
-    return int(re.search(r"add (\d) more", task.opening).group(1))
+    return int(task.hidden_facts["bags"].split()[0])   # "1 more" or "2 more"
 
 
 def balanced(domain, n, tiers, seed=0):
