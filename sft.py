@@ -187,7 +187,17 @@ class OracleAgent(TextAgent):
     """
 
     def confirmation(self, task, action) -> str:
-        return f"Please confirm: {_describe(action, task)}. Yes or no?"
+        """'Please confirm: <the call, every argument named>. Yes or no?' A bag update first says the
+        request back in the user's words ("add 2 more checked bags to reservation ..."): the 135M student
+        did not fetch the number from the opening, two tool results back, for the sum "0 + 2 = 2", but it
+        copies the number after the same words it followed there, and the sum can then use it."""
+        more = re.fullmatch(r"(\d+) more", task.hidden_facts.get("bags", ""))
+        if action.name == "update_reservation_baggages" and more:
+            k, rid = int(more[1]), action.arguments["reservation_id"]
+            request = f"add {k} more checked bag{'s' * (k > 1)} to reservation {rid}, "
+        else:
+            request = ""
+        return f"Please confirm: {request}{_describe(action, task)}. Yes or no?"
 
     def respond(self, task, messages: list[dict]) -> str:
         if hasattr(task, "oracle_reply"):              # a τ² task: its gold calls, then its infos (tau2_domains.py)

@@ -7,6 +7,7 @@ tokenizer only; the smoke test runs the real script in a subprocess (~1 min).
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -175,6 +176,24 @@ def test_oracle_solves_tasks_of_every_scenario():
         assert not bad, bad
         for t in trajs:                                           # the agent's tokens, and only them, are trained
             assert len(t.loss_mask) == len(t.token_ids) and 0 < sum(t.loss_mask) < len(t.token_ids)
+
+
+def test_bag_confirmation_says_the_request_back_before_the_sum():
+    """add_bags: the oracle's confirmation repeats the user's own words "add K more checked bag(s) to
+    reservation R" and then the sum to the new total; other writes name only the call."""
+    agent, seen = sft.OracleAgent(rollout.load_tokenizer()), set()
+    for t in envs.make_tasks("airline", "train", 60, seed=1):
+        write = t.gold_actions[-1]
+        text = agent.confirmation(t, write)
+        if t.scenario != "add_bags":
+            assert "more checked bag" not in text, text
+            continue
+        request = re.search(r"add (\d) more checked bags? to reservation \w+", t.opening)
+        total = write.arguments["total_baggages"]
+        assert text.startswith(f"Please confirm: {request[0]}, "), text
+        assert f"{total - int(request[1])} + {request[1]} = {total}" in text, text
+        seen.add(request[1])
+    assert seen == {"1", "2"}                                      # both requests were checked
 
 
 def test_smoke_run(tmp_path):
