@@ -470,22 +470,25 @@ def plot(results: dict, path: str, pairs: dict | None = None):
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 1.6]})
     agents, scenarios = list(results), list(next(iter(results.values()))["tau"]["per_scenario"])
+    short = lambda a: re.sub(r"^runs/(agents/)?|/adapter$", "", a)   # noqa: E731; runs/X/adapter -> X, to fit
     overall = [results[a]["tau"]["overall"] for a in agents]
     vals = [o["pass^k"][1] for o in overall]
     err = [[v - o["ci"][1][0] for v, o in zip(vals, overall)], [o["ci"][1][1] - v for v, o in zip(vals, overall)]]
-    ax1.bar(agents, vals, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(agents))])
+    ax1.bar([short(a) for a in agents], vals, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(agents))])
     for i, v in enumerate(vals):
-        ax1.text(i, v + 0.02, f"{v:.2f}", ha="center")
+        ax1.text(i + 0.08, v + 0.02, f"{v:.2f}", ha="left")      # beside the error bar
     n = overall[0]["n_tasks"]
     title = f"pass^1, {n} held-out tasks (95% CI)"
     for name, d in (pairs or {}).items():
-        title += f"\n{name}: {d['diff']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}], McNemar p {d['mcnemar_p']:.3f}"
+        name = " - ".join(map(short, name.split(" - ")))
+        title += f"\n{name}: {d['diff']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}], McNemar p {d['mcnemar_p']:.2g}"
     ax1.set(ylabel="pass^1", ylim=(0, 1.05))
+    ax1.tick_params(axis="x", labelrotation=15)
     ax1.set_title(title, fontsize=9)
     width = 0.8 / len(agents)
     for i, a in enumerate(agents):
         ax2.bar([j + i * width for j in range(len(scenarios))],
-                [results[a]["tau"]["per_scenario"][s]["pass^k"][1] for s in scenarios], width, label=a)
+                [results[a]["tau"]["per_scenario"][s]["pass^k"][1] for s in scenarios], width, label=short(a))
     ax2.set_xticks([j + width * (len(agents) - 1) / 2 for j in range(len(scenarios))], scenarios, rotation=20, ha="right")
     ax2.set(ylabel="pass^1", title="per scenario", ylim=(0, 1.05))
     ax2.legend()
