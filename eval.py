@@ -474,7 +474,8 @@ def plot(results: dict, path: str, pairs: dict | None = None):
     overall = [results[a]["tau"]["overall"] for a in agents]
     vals = [o["pass^k"][1] for o in overall]
     err = [[v - o["ci"][1][0] for v, o in zip(vals, overall)], [o["ci"][1][1] - v for v, o in zip(vals, overall)]]
-    ax1.bar([short(a) for a in agents], vals, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(agents))])
+    ax1.bar(range(len(agents)), vals, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(agents))])
+    ax1.set_xticks(range(len(agents)), [short(a) for a in agents])   # positions, so equal short names stay apart
     for i, v in enumerate(vals):
         ax1.text(i + 0.08, v + 0.02, f"{v:.2f}", ha="left")      # beside the error bar
     n = overall[0]["n_tasks"]

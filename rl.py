@@ -309,8 +309,8 @@ def plot(metrics, path, temperature):
     axes[1].plot([m["step"] for m in kl], [m["kl"] for m in kl], marker=".")
     axes[1].set(title="KL to the reference (k3)", xlabel="step")
     axes[2].bar([m["step"] for m in trained], [m["groups_drawn"] for m in trained], color="0.8", label="drawn")
-    varied = [sum(len(set(g["rewards"])) > 1 for g in m["per_group"]) for m in trained]   # >= trained (--tasks caps)
-    axes[2].bar([m["step"] for m in trained], varied, color="C9", label="with reward variance")
+    axes[2].bar([m["step"] for m in trained], [m["groups_varied"] for m in trained], color="C9",
+                label="with reward variance")                       # >= trained: --tasks caps it
     axes[2].bar([m["step"] for m in trained], [m["groups_trained"] for m in trained], label="trained")
     axes[2].set(title="groups per step", xlabel="step")
     axes[2].legend(fontsize=8)
@@ -438,7 +438,7 @@ def main(argv=None):
         shuffled = [rng.sample(pools[d], len(pools[d])) for d in domains]
         order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]
         model.eval()                           # generation with KV cache; checkpointing is train-only
-        drawn, kept = [], []
+        drawn, varied = [], []
         for d in range(args.max_draws):
             tasks = order[d * args.draw:(d + 1) * args.draw]
             try:
@@ -451,10 +451,10 @@ def main(argv=None):
                 sys.exit(f"every rollout failed: {trajs[0].stats.get('error')}")
             groups = [trajs[i * G:(i + 1) * G] for i in range(len(tasks))]
             drawn += groups
-            kept += [g for g in groups if len({t.reward for t in g}) > 1]    # the rest carry no signal
-            if len(kept) >= args.tasks:
+            varied += [g for g in groups if len({t.reward for t in g}) > 1]    # the rest carry no signal
+            if len(varied) >= args.tasks:
                 break
-        kept, rollouts = kept[:args.tasks], [t for g in drawn for t in g]
+        kept, rollouts = varied[:args.tasks], [t for g in drawn for t in g]
         per_group = [dict(task=g[0].task_id, scenario=g[0].scenario, rewards=[t.reward for t in g],
                           trained=any(g is k for k in kept)) for g in drawn]
         t_roll = time.time() - t0
@@ -469,7 +469,8 @@ def main(argv=None):
         rewards = torch.tensor([t.reward for t in rollouts])
         sampled = sum(sum(t.loss_mask) for t in rollouts)
         m = dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
-                 groups_drawn=len(drawn), groups_trained=len(kept), draws=len(drawn) // args.draw,
+                 groups_drawn=len(drawn), groups_varied=len(varied), groups_trained=len(kept),
+                 draws=len(drawn) // args.draw,
                  kl=st["kl_sum"] / max(st["tokens"], 1) if st else None,       # None: no group, no update
                  clip_frac=st["clipped"] / max(st["tokens"], 1) if st else None,
                  grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
@@ -482,8 +483,8 @@ def main(argv=None):
         m.update(s_per_step=time.time() - t0, tok_per_s=sampled / t_roll)
         log(m)
         f = lambda x, spec: "-" if x is None else format(x, spec)           # noqa: E731
-        tqdm.write(f"step {m['step']:3d}/{args.steps} | reward {m['reward']:.3f} | groups {len(kept)}/{m['groups_drawn']}"
-                   f" with signal | kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')}"
+        tqdm.write(f"step {m['step']:3d}/{args.steps} | reward {m['reward']:.3f} | groups {len(kept)} of {len(varied)}"
+                   f" with signal of {len(drawn)} | kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')}"
                    f" | gnorm {f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')}"
                    f" | tok {sampled} | {m['s_per_step']:.0f} s/step | {m['tok_per_s']:.1f} tok/s")
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:

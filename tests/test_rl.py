@@ -413,6 +413,7 @@ def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_
         g = x["per_group"]                            # groups whose rewards differ were trained
         assert len(g) == x["groups_drawn"] and sum(y["trained"] for y in g) == x["groups_trained"]
         assert all(len(set(y["rewards"])) > 1 for y in g if y["trained"])
+        assert x["groups_trained"] <= x["groups_varied"] == sum(len(set(y["rewards"])) > 1 for y in g)
     same = lambda ms: [(x["reward"], x["groups_trained"], x["tokens"], round(x["entropy"], 4),
                         None if x["kl"] is None else round(x["kl"], 6),
                         None if x["grad_norm"] is None else round(x["grad_norm"], 5)) for x in ms]
