@@ -17,7 +17,7 @@ import hashlib
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, load_db, money
 
@@ -51,6 +51,7 @@ class Task:
     required_outputs: list         # strings some assistant message must contain
     confirm_terms: list            # per gold write: {fact key: value (or [alternatives]) its confirmation must name}
     seed: int = 0                  # the DB seed: load_db(domain, split, seed)
+    rivals: dict = field(default_factory=dict)   # fact key -> the wrong values of its kind (other reasons, cards)
 
 
 class ToolError(Exception):
@@ -391,11 +392,18 @@ def _airline(rng, db, pred=lambda r: True):
     return r, u, card, facts, [act("get_user_details", user_id=u["user_id"]),
                                act("get_reservation_details", reservation_id=r["reservation_id"])]
 
+def _rivals(u, card=None, reason=None):
+    """Values a confirmation must not name beside the right ones: the user's other payment methods, and
+    for a cancellation the other reason ("no longer needed; ordered by mistake" is not a yes)."""
+    return ({"payment_method": [k for k in u["payment_methods"] if k != card]} if card else {}) | \
+        ({"reason": [r for r in REASONS if r != reason]} if reason else {})
+
 @scenario("retail", "cancel_order")
 def _cancel_order(rng, db):
     o, u, facts, gold = _retail(rng, db, "pending")
     oid, reason = o["order_id"], rng.choice(list(REASONS))
     return dict(tier="easy", facts={**facts, "reason": reason}, confirm=[{"order_id": oid, "reason": reason}],
+                rivals=_rivals(u, reason=reason),
                 opening=f"Hi, I'm {u['name']}, email {u['email']}. Please cancel my order {oid}, {REASONS[reason]}.",
                 gold=gold + [act("cancel_pending_order", order_id=oid, reason=reason)])
 
@@ -404,6 +412,7 @@ def _change_order_payment(rng, db):
     o, u, facts, gold = _retail(rng, db, "pending")
     gift = next(k for k, m in u["payment_methods"].items() if m["type"] == "gift_card")
     return dict(tier="medium", facts={**facts, "payment_method": gift}, confirm=[{"order_id": o["order_id"], "payment_method": gift}],
+                rivals=_rivals(u, gift),
                 opening="Hello, I'd like to pay for one of my orders with my gift card instead.",
                 gold=gold + [act("modify_pending_order_payment", order_id=o["order_id"], payment_method_id=gift)])
 
@@ -412,6 +421,7 @@ def _return_item(rng, db):
     o, u, facts, gold = _retail(rng, db, "delivered")
     item, paid_with = rng.choice(o["items"]), o["payment_history"][0]["payment_method_id"]
     return dict(tier="medium", facts={**facts, "item": item["name"], "payment_method": f"the original, {paid_with}"},
+                rivals=_rivals(u, paid_with),
                 opening=f"Hi, I want to return the {item['name']} I received.",
                 confirm=[{"order_id": o["order_id"], "item": [item["item_id"], item["name"]],
                           "payment_method": paid_with}],
@@ -430,7 +440,7 @@ def _exchange_item(rng, db):
     new, paid_with = rng.choice(_exchanges_for(db, item)), o["payment_history"][0]["payment_method_id"]
     axis, value = next((k, x) for k, x in new["options"].items() if item["options"][k] != x)
     return dict(tier="medium", facts={**facts, "item": item["name"], "option": f"{axis} {value}",
-                                      "payment_method": paid_with},
+                                      "payment_method": paid_with}, rivals=_rivals(u, paid_with),
                 opening=f"Hi, the {item['name']} I received is the wrong {axis}. Can I exchange it?",
                 gold=gold + [act("get_product_details", product_id=item["product_id"]),
                              act("exchange_delivered_order_items", order_id=o["order_id"], item_ids=[item["item_id"]],
@@ -459,13 +469,14 @@ def _move_and_cancel(rng, db):
                 opening="Hi, I moved recently. Please update my address, and I also want to cancel an order.",
                 gold=gold[:1] + [act("modify_user_address", user_id=u["user_id"], **new)] + gold[1:]
                 + [act("cancel_pending_order", order_id=o["order_id"], reason=reason)],
-                confirm=[{"address": new["address1"]}, {"order_id": o["order_id"], "reason": reason}])
+                confirm=[{"address": new["address1"]}, {"order_id": o["order_id"], "reason": reason}],
+                rivals=_rivals(u, reason=reason))
 
 @scenario("airline", "add_bags")
 def _add_bags(rng, db):
     r, u, card, facts, gold = _airline(rng, db)
     k, rid = rng.randint(1, 2), r["reservation_id"]
-    return dict(tier="easy", facts={**facts, "bags": f"{k} more", "payment_method": card},
+    return dict(tier="easy", facts={**facts, "bags": f"{k} more", "payment_method": card}, rivals=_rivals(u, card),
                 confirm=[{"reservation_id": rid, "bags": str(r["total_baggages"] + k), "payment_method": card}],
                 opening=f"Hi, I'm {u['name']}, user id {u['user_id']}. Please add {k} more checked bag{'s' * (k > 1)} "
                         f"to reservation {rid}, paid with my credit card {card}.",
@@ -488,6 +499,7 @@ def _change_flight_date(rng, db):
     r, u, card, facts, gold = _airline(rng, db, days)
     rid, fn, day = r["reservation_id"], r["flight_number"], rng.choice(days(r))
     return dict(tier="medium", facts={**facts, "flight": f"the same flight, {fn}", "payment_method": card},
+                rivals=_rivals(u, card),
                 opening=f"Hi, can I move my flight from {AIRPORTS[r['origin']]} to {AIRPORTS[r['destination']]} "
                         f"to {day}? Same flight, just another day.", confirm=[{"reservation_id": rid, "date": day, "payment_method": card}],
                 gold=gold + [act("search_direct_flight", origin=r["origin"], destination=r["destination"], date=day),
@@ -503,6 +515,7 @@ def _book_flight(rng, db):
     return dict(tier="medium", facts={"user_id": u["user_id"], "flight": f"the {f['depart']} departure",
                                       "insurance": "yes" if insurance else "no", "bags": f"{bags} checked bags",
                                       "payment_method": card, "passenger": f"just me, born {u['dob']}"},
+                rivals=_rivals(u, card),
                 opening=f"Hi, I want to book a one-way {cabin} flight from {AIRPORTS[o]} ({o}) to {AIRPORTS[d]} ({d}) "
                         f"on {day}, just for me.", confirm=[{"flight": f["flight_number"], "date": day, "bags": str(bags), "payment_method": card}],
                 gold=gold[:1] + [act("search_direct_flight", origin=o, destination=d, date=day),
@@ -540,7 +553,8 @@ def make_tasks(domain, split, n, seed=0):
         s = SCENARIOS[domain][name](rng, db)
         who = s["facts"].get("name") or db["users"][s["facts"]["user_id"]]["name"]
         tasks.append(Task(f"{domain}-{split}-{i:05d}", domain, split, name, s["tier"], _brief(domain, who, s, rng),
-                          s["opening"], s["facts"], s["gold"], s.get("outputs", []), s.get("confirm", []), seed))
+                          s["opening"], s["facts"], s["gold"], s.get("outputs", []), s.get("confirm", []), seed,
+                          s.get("rivals", {})))
     return tasks
 
 

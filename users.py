@@ -63,7 +63,8 @@ class ScriptedUser(User):
     hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key].
     Asked to confirm a change, it says yes only if the message names every value that makes the next
     write right (task.confirm_terms: the ids, and the reason, bag count, flight, item, option or payment
-    method that apply); otherwise it says no and corrects the values that were missing or wrong.
+    method that apply) and none of the values that would make it wrong (task.rivals: a second reason,
+    another card); otherwise it says no and corrects the values that were missing, wrong or ambiguous.
     Once every write is confirmed it waits until the agent reports the change done (nudging it to go
     ahead), then thanks and stops. Tasks without writes: it stops once every required output was said
     or the agent refused. patience: at most this many replies, then it gives up."""
@@ -91,7 +92,9 @@ class ScriptedUser(User):
         """Answer a confirmation request: yes to the first unconfirmed write whose values it all names,
         else no and the right values of the write it got closest to."""
         pending = [i for i, ok in enumerate(self.confirmed) if not ok]
-        named = {i: [k for k, term in self.task.confirm_terms[i].items() if names(text, term)] for i in pending}
+        rivals = self.task.rivals                       # a value named beside a rival of its kind is not named
+        named = {i: [k for k, term in self.task.confirm_terms[i].items()
+                     if names(text, term) and not names(text, rivals.get(k, []))] for i in pending}
         done = next((i for i in pending if len(named[i]) == len(self.task.confirm_terms[i])), None)
         if done is not None:
             self.confirmed[done] = True

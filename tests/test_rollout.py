@@ -161,8 +161,8 @@ def say(text):
 
 
 def test_scripted_user_reveals_only_what_is_asked_and_yes_needs_the_reason():
-    """cancel_order: a confirmation naming the order but the wrong reason gets a no and the right reason;
-    naming both gets a yes; the user then waits for the report and only then stops."""
+    """cancel_order: a confirmation naming the order but the wrong reason, no reason, or both reasons gets
+    a no and the right reason; naming the order and the right reason alone gets a yes; the user then waits for the report and only then stops."""
     task = next(t for t in tasks_by_scenario("retail") if t.scenario == "cancel_order")
     oid, reason = task.confirm_terms[0]["order_id"], task.confirm_terms[0]["reason"]
     wrong = next(r for r in envs.REASONS if r != reason)
@@ -174,6 +174,8 @@ def test_scripted_user_reveals_only_what_is_asked_and_yes_needs_the_reason():
     assert r.startswith("No") and f"reason is {reason}" in r and STOP not in r, r
     r = u.reply(say(f"Please confirm: cancel order {oid}. Yes or no?"))                   # no reason at all
     assert r.startswith("No") and reason in r and STOP not in r
+    r = u.reply(say(f"Please confirm: cancel order {oid}; reason {reason}; reason {wrong}. Yes or no?"))  # both
+    assert r.startswith("No") and f"reason is {reason}" in r and STOP not in r, r
     r = u.reply(say(f"Please confirm: cancel order {oid}, reason {reason}. Yes or no?"))
     assert r.lower().startswith(("yes", "correct")) and STOP not in r
     for _ in range(2):                                   # confirmed, but the change is not reported yet
@@ -186,12 +188,15 @@ def test_scripted_user_bag_count_must_be_the_new_total_and_patience_ends_a_wait(
     task = next(t for t in tasks_by_scenario("airline") if t.scenario == "add_bags")
     terms = task.confirm_terms[0]
     rid, total, card = terms["reservation_id"], terms["bags"], terms["payment_method"]
-    u = ScriptedUser(task, seed=1, patience=4)
+    u = ScriptedUser(task, seed=1, patience=5)
     r = u.reply(say(f"Please confirm: add bags to {rid}, total {int(total) + 1}{total}, paid with {card}. Proceed?"))
     assert r.startswith("No") and task.hidden_facts["bags"] in r          # "23" does not name "3"
+    other = task.rivals["payment_method"][0]                               # the user's other card
+    r = u.reply(say(f"Please confirm: reservation {rid}, total baggages {total}, payment {card} or {other}. Proceed?"))
+    assert r.startswith("No") and f"payment method is {card}" in r
     r = u.reply(say(f"Please confirm: reservation {rid}, total baggages {total}, payment {card}. Proceed?"))
     assert r.lower().startswith(("yes", "correct"))
-    assert [STOP in u.reply(say("One moment.")) for _ in range(3)] == [False, False, True]   # patience: 4 replies
+    assert [STOP in u.reply(say("One moment.")) for _ in range(3)] == [False, False, True]   # patience: 5 replies
 
 
 def test_scripted_user_lookup_task_stops_when_outputs_said_and_patience_runs_out():
