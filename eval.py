@@ -412,6 +412,19 @@ def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int
 
 # ----------------------------------------------------------------------------- report
 
+def pair_up(results: dict, domain_of: dict, seed: int = 0) -> tuple[dict, dict]:
+    """Every later agent against every earlier one ("rl - sft"), on all tasks; and, when the tasks span
+    several domains, on each domain's tasks ("rl - sft (airline)"): RL trained on one domain can gain
+    there and lose on another, which the overall difference averages away."""
+    labels, domains = list(results), sorted(set(domain_of.values()))
+    def pair(b, a, domain=None):
+        keep = lambda rewards: {t: r for t, r in rewards.items() if domain in (None, domain_of[t])}  # noqa: E731
+        return paired_difference(keep(results[b]["tau"]["rewards"]), keep(results[a]["tau"]["rewards"]), seed=seed)
+    duos = [(b, a) for i, a in enumerate(labels) for b in labels[i + 1:]]
+    return ({f"{b} - {a}": pair(b, a) for b, a in duos},
+            {f"{b} - {a} ({d})": pair(b, a, d) for d in domains if len(domains) > 1 for b, a in duos})
+
+
 def markdown(results: dict, pairs: dict | None = None) -> str:
     """Side-by-side table of every agent: pass^k overall with CI, pass^1 per domain, per tier and per scenario;
     then the paired comparisons (see paired_difference)."""
@@ -543,15 +556,13 @@ def main(argv=None):
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")
     for r in results.values():              # the failures live in their own files
         r["tau"]["n_failed"] = len(r["tau"].pop("failures"))
-    labels = list(results)                  # every later agent against every earlier one, e.g. "rl - sft"
-    pairs = {f"{b} - {a}": paired_difference(results[b]["tau"]["rewards"], results[a]["tau"]["rewards"], seed=args.seed)
-             for i, a in enumerate(labels) for b in labels[i + 1:]}
-    table = markdown(results, pairs) + tau2_table(results)
+    pairs, domain_pairs = pair_up(results, {t.id: t.domain for t in tasks}, args.seed)
+    table = markdown(results, pairs | domain_pairs) + tau2_table(results)
     print(table)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"agents": results, "paired": pairs}, f, indent=2)
+        json.dump({"agents": results, "paired": pairs | domain_pairs}, f, indent=2)
     plot(results, os.path.join(args.out, "eval.png"), pairs)
     print(f"wrote {args.out}/results.md, results.json, eval.png")
     return results

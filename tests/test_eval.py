@@ -258,6 +258,18 @@ def test_report_table_and_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+def test_pairs_per_domain_keep_each_domains_tasks_together():
+    """rl gains 2 airline tasks and loses 2 retail ones: 0 overall, +1 and -1 per domain."""
+    domain_of = {"a1": "airline", "a2": "airline", "r1": "retail", "r2": "retail"}
+    results = {"sft": {"tau": {"rewards": {"a1": [0], "a2": [0], "r1": [1], "r2": [1]}}},
+               "rl": {"tau": {"rewards": {"a1": [1], "a2": [1], "r1": [0], "r2": [0]}}}}
+    pairs, per_domain = ev.pair_up(results, domain_of)
+    assert pairs["rl - sft"]["diff"] == 0 and pairs["rl - sft"]["only_a"] == 2 == pairs["rl - sft"]["only_b"]
+    assert per_domain["rl - sft (airline)"]["diff"] == 1 and per_domain["rl - sft (airline)"]["n_tasks"] == 2
+    assert per_domain["rl - sft (retail)"]["diff"] == -1 and per_domain["rl - sft (retail)"]["only_b"] == 2
+    assert ev.pair_up(results, dict.fromkeys(domain_of, "retail"))[1] == {}     # one domain: no split
+
+
 def test_smoke_run_writes_everything(tmp_path):
     out = ev.main(["--smoke", "--agents", "base,sft", "--sft-adapter", str(tmp_path / "none"), "--domains", "airline",
                    "--out", str(tmp_path)])
