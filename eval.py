@@ -557,12 +557,13 @@ def main(argv=None):
     for r in results.values():              # the failures live in their own files
         r["tau"]["n_failed"] = len(r["tau"].pop("failures"))
     pairs, domain_pairs = pair_up(results, {t.id: t.domain for t in tasks}, args.seed)
-    table = markdown(results, pairs | domain_pairs) + tau2_table(results)
+    all_pairs = pairs | domain_pairs       # the plot shows the overall ones only
+    table = markdown(results, all_pairs) + tau2_table(results)
     print(table)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"agents": results, "paired": pairs | domain_pairs}, f, indent=2)
+        json.dump({"agents": results, "paired": all_pairs}, f, indent=2)
     plot(results, os.path.join(args.out, "eval.png"), pairs)
     print(f"wrote {args.out}/results.md, results.json, eval.png")
     return results

@@ -56,11 +56,12 @@ GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max
                     max_context=8192, micro_batch=1, lr=2e-5, temperature=1.0, loss_agg="token-mean",
                     domains="retail,airline", tiers="easy,medium,hard", ckpt_every=10, eval_every=10,
                     eval_tasks=24, grad_checkpointing="on")
-# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings): one
-# step, held-out pass^1 on 12 tasks before and after it. Airline only: the CPU cold start solves every easy
-# retail task already, and airline's add_bags is what it half solves, where groups have reward variance.
-# 8 tasks x 8 rollouts in one draw, every group with variance trained: GRPO needs both kinds of add_bags
-# request in one update, and with 4 rollouts a group too few groups differ. 7 turns: the easy tasks need 5,
+# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings, which
+# differ 2x between machines): one step, held-out pass^1 on 12 tasks before and after it. Airline only: the
+# CPU cold start solves every easy retail task already, and airline's add_bags is what it half solves, where
+# groups have reward variance. 8 tasks x 8 rollouts in one draw, every group with variance trained: GRPO
+# needs both kinds of add_bags request in one update, and groups of 4 had variance less often (README, the
+# fifth attempt). 7 turns: the easy tasks need 5,
 # one correction after a "no" needs 2 more. T = 0.7: at T = 1 the 135M policy's failed rollouts are mostly
 # sampling noise. lr 1e-4: Adam's first step moves every weight by ~lr, and at 2e-4 one step on fewer groups
 # wrecked the policy (README). `python rl.py --steps N` resumes this run for more steps (README: a second

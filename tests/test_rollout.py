@@ -162,7 +162,8 @@ def say(text):
 
 def test_scripted_user_reveals_only_what_is_asked_and_yes_needs_the_reason():
     """cancel_order: a confirmation naming the order but the wrong reason, no reason, or both reasons gets
-    a no and the right reason; naming the order and the right reason alone gets a yes; the user then waits for the report and only then stops."""
+    a no and the right reason; naming the order and the right reason alone gets a yes; the user then
+    waits for the report and only then stops."""
     task = next(t for t in tasks_by_scenario("retail") if t.scenario == "cancel_order")
     oid, reason = task.confirm_terms[0]["order_id"], task.confirm_terms[0]["reason"]
     wrong = next(r for r in envs.REASONS if r != reason)
