@@ -59,14 +59,14 @@ GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max
 # CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~20 minutes (README has the timings, which
 # differ 2x between machines): one step, held-out pass^1 on 12 tasks before and after it. Airline only: the
 # CPU cold start solves every easy retail task already, and airline's add_bags is what it half solves, where
-# groups have reward variance. 8 tasks x 8 rollouts in one draw, every group with variance trained: GRPO
-# needs both kinds of add_bags request in one update, and groups of 4 had variance less often (README, the
-# fifth attempt). 7 turns: the easy tasks need 5,
-# one correction after a "no" needs 2 more. T = 0.7: at T = 1 the 135M policy's failed rollouts are mostly
-# sampling noise. lr 1e-4: Adam's first step moves every weight by ~lr, and at 2e-4 one step on fewer groups
-# wrecked the policy (README). `python rl.py --steps N` resumes this run for more steps (README: resumed to
-# 3 steps it beats SFT by the bar, though step 2 alone fell below SFT); `--max-draws 2 --tasks 16`
-# averages one step over twice the groups, which beat SFT by more in one step at twice the wall time.
+# groups have reward variance. 8 tasks x 8 rollouts in one draw, every group with variance trained: GRPO needs
+# both kinds of add_bags request in one update, and groups of 4 had variance less often (README, the fifth
+# attempt). 7 turns: the easy tasks need 5, one correction after a "no" needs 2 more. T = 0.7: at T = 1 the
+# 135M policy's failed rollouts are mostly sampling noise. lr 1e-4: Adam's first step moves every weight by
+# ~lr, and at 2e-4 one step on fewer groups wrecked the policy (README). `python rl.py --steps N` resumes this
+# run for more steps (README: resumed to 3 steps it beats SFT by the bar, though step 2 alone fell
+# below SFT); `--max-draws 2 --tasks 16` averages one step over twice the groups: on the same tasks it beat
+# SFT by more than this preset's step, at twice the wall time.
 CPU_PRESET = dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=8, max_turns=7, max_new_tokens=80,
                   max_context=3072, micro_batch=2, lr=1e-4, temperature=0.7, loss_agg="token-mean",
                   domains="airline", tiers="easy", ckpt_every=1, eval_every=1, eval_tasks=12,
