@@ -42,7 +42,9 @@ Simplifications vs the paper
     consistency across users. With --temperature > 0, user_sim_suspect also catches agent sampling
     luck: read it as "failed, yet solvable with another user", then look at the transcripts;
   * besides pass^k, the table counts the agent's tool calls per agent turn (ok = executed without
-    error, err = the env refused it, malformed = not parseable): a format learned shows there first.
+    error, err = the env refused it, malformed = not parseable): a format learned shows there first;
+    and the episodes whose first write came after a request to confirm (asked_before_writing), which
+    the reward does not check.
 """
 import argparse
 import itertools
@@ -57,7 +59,9 @@ from collections import Counter, defaultdict
 
 import torch
 
+import envs
 import rollout
+import users
 
 GPU_DEFAULTS = dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30, max_new_tokens=256,
                     max_context=8192, recheck=16, bfcl_steps=20)
@@ -234,13 +238,32 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
         for t in tasks:
             groups[getattr(t, attr)][t.id] = rewards[t.id]
         return {g: summarize(r, n_boot, seed) for g, r in sorted(groups.items())}
+    asked = [a for a in map(asked_before_writing, trajs) if a is not None]
     n = lambda key: sum(tr.stats[key] for tr in trajs)   # noqa: E731; tool_calls counts every executed call
     calls = {"turns": sum(tr.turns for tr in trajs), "ok": n("tool_calls") - n("tool_errors"),
              "err": n("tool_errors"), "malformed": n("malformed_calls")}
     return {"overall": summarize(rewards, n_boot, seed), "per_domain": per("domain"), "per_tier": per("tier"),
             "per_scenario": per("scenario"),
             "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
-            "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls, "seconds": time.time() - t0}
+            "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
+            "writes": {"episodes": len(asked), "asked_first": sum(asked)}, "seconds": time.time() - t0}
+
+
+def asked_before_writing(traj) -> bool | None:
+    """Did the agent ask the user to confirm before its first write call? None if it made no write call
+    (or the domain has no write list: τ²). "Confirm before acting" is one of the behaviours MUA-RL's user
+    in the loop is meant to teach, and the reward, a database check, does not see it: a write that skips
+    the confirmation scores 1 when its values happen to be right. Only text turns count as asking: a
+    turn that also calls a tool has acted before the user could answer."""
+    writes, asked = envs.WRITE_TOOLS.get(traj.domain), False
+    for m in traj.messages:
+        if m["role"] != "assistant" or not writes:
+            continue
+        call = (m.get("tool_calls") or [None])[0]              # the executed one (run_episodes: first only)
+        if call and call["name"] in writes:
+            return asked
+        asked = asked or (not call and users.asks_confirmation(users.visible_text(m["content"])))
+    return None
 
 
 # ----------------------------------------------------------------------------- BFCL multi-turn (offline)
@@ -438,8 +461,8 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
              "each; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
              " | ".join(f"{g} pass^1" for g, _ in groups) + " | tool calls ok / err / malformed per 100 "
-             "turns | user-sim suspects | BFCL multi-turn (base / miss_func / miss_param / long_context: mean) |",
-             "|---" * (len(ks) + len(groups) + 4) + "|"]
+             "turns | first write after asking to confirm | user-sim suspects | BFCL multi-turn (base / miss_func / miss_param / long_context: mean) |",
+             "|---" * (len(ks) + len(groups) + 5) + "|"]
     for a in agents:
         tau, bfcl = results[a]["tau"], results[a].get("bfcl")
         row = [fmt(tau["overall"], k) for k in ks] + [fmt(tau[key][g], 1) for key in ("per_domain", "per_tier")
@@ -447,6 +470,8 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
         c = tau["calls"]
         row += [" / ".join(f"{100 * c[k] / max(1, c['turns']):.0f}" for k in ("ok", "err", "malformed")) +
                 f" ({c['turns']} turns)"]
+        w = tau["writes"]
+        row += [f"{w['asked_first']} of {w['episodes']} episodes" if w["episodes"] else "-"]
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-",
                 " / ".join(f"{v:.3f}" for v in bfcl["per_category"].values()) +
                 f": {bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
@@ -519,7 +544,6 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "args.json"), "w") as f:
         json.dump(vars(args), f, indent=2)
-    import envs
     tasks = envs.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
     user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else {}
     user_kw["user_workers"] = args.user_workers        # run_episodes' own: how many users it asks at once
@@ -542,7 +566,8 @@ def main(argv=None):
         o = tau["overall"]
         print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) +
               f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
-              f"  stops {tau['stop_reasons']}  {tau['seconds']:.0f}s")
+              f"  stops {tau['stop_reasons']}  asked before writing {tau['writes']['asked_first']}/{tau['writes']['episodes']}"
+              f"  {tau['seconds']:.0f}s")
         if args.bfcl:
             bfcl = evaluate_bfcl(agent, tok, args.bfcl, args.bfcl_steps, max(args.max_context, 8192))
             with open(os.path.join(args.out, f"bfcl_{safe}.jsonl"), "w") as f:

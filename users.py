@@ -52,6 +52,12 @@ _REPORTS_DONE = re.compile(r"\b(done|complete|completed|all set|has been|have be
                            r"updated|added|changed|booked|processed|submitted)\b", re.I)
 
 
+def asks_confirmation(text: str) -> bool:
+    """Does this agent message ask the user to confirm or approve something? (what the scripted user reads
+    as a confirmation request; eval.py counts writes made after one)"""
+    return bool(_ASKS_CONFIRM.search(text))
+
+
 def names(text: str, term) -> bool:
     """Does text name term (a value, or a list of alternatives), as a whole word? ("3" is not in "13")"""
     alts = term if isinstance(term, list) else [term]
@@ -111,7 +117,7 @@ class ScriptedUser(User):
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
         if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
-            if _REPORTS_DONE.search(last) and not _ASKS_CONFIRM.search(last):
+            if _REPORTS_DONE.search(last) and not asks_confirmation(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
             return self.rng.choice(self.WAIT)
         asked = [k for k, words in self.keywords.items()
@@ -120,7 +126,7 @@ class ScriptedUser(User):
             outs = self.task.required_outputs
             if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
-        if _ASKS_CONFIRM.search(last) and self.task.confirm_terms:   # answers the request, nothing more
+        if asks_confirmation(last) and self.task.confirm_terms:   # answers the request, nothing more
             return " ".join(self._confirm(last))
         facts = [self._fact(k) for k in asked]
         return " ".join(facts or [self.rng.choice(self.NUDGE)] + [self.task.opening] * (self.rng.random() < 0.5))

@@ -2,6 +2,7 @@
 our Hermes -> python-call loop end to end), pass^k of the oracle agent, and the --smoke run."""
 import ast
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -206,9 +207,26 @@ def test_oracle_agent_passes_every_held_out_task(tasks, tok):
     assert r["overall"]["pass^k"] == {1: 1.0, 2: 1.0} and r["overall"]["n_tasks"] == 4
     assert set(r["per_domain"]) == {"retail", "airline"} and r["failures"] == [] and r["rechecked"] == 0
     assert sum(s["n_tasks"] for s in r["per_scenario"].values()) == 4
+    import envs                                                  # every write the oracle makes, it confirms first
+    n_write = 2 * sum(any(a.name in envs.WRITE_TOOLS[t.domain] for a in t.gold_actions) for t in tasks)
+    assert n_write and r["writes"] == {"episodes": n_write, "asked_first": n_write}
     # the oracle makes exactly the gold calls, each executed without error
     assert r["calls"] == {"turns": r["calls"]["turns"], "ok": 2 * sum(len(t.gold_actions) for t in tasks),
                           "err": 0, "malformed": 0}
+
+
+def test_asked_before_writing_reads_the_order_of_request_and_write():
+    call = lambda name: [{"name": name, "arguments": {}}]                                  # noqa: E731
+    ask = {"role": "assistant", "content": "Please confirm: cancel order #W1 (reason: no longer needed). Yes or no?"}
+    look = {"role": "assistant", "content": "<tool_call>...</tool_call>", "tool_calls": call("get_order_details")}
+    write = {"role": "assistant", "content": "<tool_call>...</tool_call>", "tool_calls": call("cancel_pending_order")}
+    yes, user = {"role": "user", "content": "Yes."}, {"role": "user", "content": "Cancel #W1, please."}
+    asked = lambda *msgs, domain="retail": ev.asked_before_writing(SimpleNamespace(domain=domain, messages=[user, *msgs]))  # noqa: E731
+    assert asked(look, ask, yes, write) is True
+    assert asked(look, write, ask, yes) is False                   # the request came after the write
+    assert asked(look, dict(write, content=ask["content"] + " <tool_call>...</tool_call>")) is False   # same turn: no answer yet
+    assert asked(look, ask, yes) is None                           # no write, nothing to count
+    assert asked(ask, yes, write, domain="tau2-retail") is None    # no write list for τ²'s tools
 
 
 class FlakyAgent(rollout.TextAgent):
@@ -245,14 +263,14 @@ def test_report_table_and_plot(tmp_path):
            "per_domain": {"retail": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20)},
            "per_tier": {"easy": ev.summarize({"a": [1, 0]}, 20), "medium": ev.summarize({"b": [1, 1]}, 20)},
            "per_scenario": {"cancel_order": ev.summarize({"a": [1, 0]}, 20), "return_item": ev.summarize({"b": [1, 1]}, 20)},
-           "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2}}
+           "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2}, "writes": {"episodes": 3, "asked_first": 2}}
     bfcl = {"accuracy": 0.25, "n": 4, "per_category": dict(zip(ev.BFCL_CATEGORIES, [0.0, 1.0, 0.0, 0.0]))}
     results = {"base": {"tau": tau}, "rl": {"tau": tau, "bfcl": bfcl}}
     pairs = {"rl - base": ev.paired_difference({"a": [1, 0], "b": [1, 1]}, {"a": [0, 0], "b": [1, 1]}, 100)}
     table = ev.markdown(results, pairs)
     assert "| rl - base | +0.250 | [" in table and "| 1 | 0 | 1.0000 |" in table
     assert "| base | 0.750 [" in table and "| 0.000 / 1.000 / 0.000 / 0.000: 0.250 (4 entries) |" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
-    assert "| 25 / 15 / 5 (40 turns) |" in table
+    assert "| 25 / 15 / 5 (40 turns) | 2 of 3 episodes |" in table
     assert "| easy pass^1 | medium pass^1 |" in table and "(retail: 2, easy: 1, medium: 1)" in table
     ev.plot(results, str(tmp_path / "p.png"), pairs)
     assert (tmp_path / "p.png").stat().st_size > 10_000
