@@ -253,8 +253,9 @@ def asked_before_writing(traj) -> bool | None:
     """Did the agent ask the user to confirm before its first write call? None if it made no write call
     (or the domain has no write list: τ²). "Confirm before acting" is one of the behaviours MUA-RL's user
     in the loop is meant to teach, and the reward, a database check, does not see it: a write that skips
-    the confirmation scores 1 when its values happen to be right. Only text turns count as asking: a
-    turn that also calls a tool has acted before the user could answer."""
+    the confirmation scores 1 when its values happen to be right. Only turns without an executed call
+    count as asking: one that also calls a tool has acted before the user could answer. (A turn whose
+    call was malformed counts by its text, though the env's error, not the user, answered it.)"""
     writes, asked = envs.WRITE_TOOLS.get(traj.domain), False
     for m in traj.messages:
         if m["role"] != "assistant" or not writes:
