@@ -257,8 +257,10 @@ def asked_before_writing(traj) -> bool | None:
     count as asking: one that also calls a tool has acted before the user could answer. (A turn whose
     call was malformed counts by its text, though the env's error, not the user, answered it.)"""
     writes, asked = envs.WRITE_TOOLS.get(traj.domain), False
+    if not writes:
+        return None
     for m in traj.messages:
-        if m["role"] != "assistant" or not writes:
+        if m["role"] != "assistant":
             continue
         call = (m.get("tool_calls") or [None])[0]              # the executed one (run_episodes: first only)
         if call and call["name"] in writes:

@@ -225,6 +225,7 @@ def test_asked_before_writing_reads_the_order_of_request_and_write():
     assert asked(look, ask, yes, write) is True
     assert asked(look, write, ask, yes) is False                   # the request came after the write
     assert asked(look, dict(write, content=ask["content"] + " <tool_call>...</tool_call>")) is False   # same turn: no answer yet
+    assert asked(dict(look, content=ask["content"] + " <tool_call>...</tool_call>"), write) is False   # asked, but acted at once
     assert asked(look, ask, yes) is None                           # no write, nothing to count
     assert asked(ask, yes, write, domain="tau2-retail") is None    # no write list for τ²'s tools
 
