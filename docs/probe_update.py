@@ -10,7 +10,7 @@ if len(sys.argv) < 4 or "TRAJS" not in os.environ:
     sys.exit(__doc__)
 agg, lr, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 T = os.environ.get("TEMP", "1.0")
-args = rl.parse_args(f"--domains airline --group-size 8 --lr {lr} --loss-agg {agg} --temperature {T} --eval-every 0 --out {out}".split())
+args = rl.parse_args(f"--domains airline --group-size 8 --lr {lr} --loss-agg {agg} --temperature {T} --eval-every 0 --train-bf16 off --out {out}".split())
 torch.set_num_threads(2)
 model, tok = rollout.load_model(rollout.DEFAULT_MODEL)
 model, _ = rl.load_policy(args, model)

@@ -321,8 +321,11 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     B, T, H = hidden.shape
     # the hidden state at t-1 predicts token t
     mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
-    lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
-                                 mask.reshape(-1), temperature, chunk)
+    # under a bf16 autocast (rl.py --train-bf16) only the body runs in bf16: the head keeps the weights' dtype,
+    # as bf16-rounded logits (~20 at 2^-8 relative precision) would move each log-prob by up to ~0.04 nat
+    with torch.autocast(hidden.device.type, enabled=False):
+        lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
+                                     mask.reshape(-1), temperature, chunk)
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
 
 

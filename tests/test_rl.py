@@ -128,7 +128,7 @@ def fake_trajs(n=4, seed=1):
 
 
 ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.1, max_grad_norm=1.0,
-                      grad_checkpointing="off", loss_agg="token-mean")
+                      grad_checkpointing="off", loss_agg="token-mean", train_bf16="off")
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
@@ -182,19 +182,26 @@ def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
     assert score() < after - 1e-3
 
 
-def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
-    """From an SFT adapter the KL reference is that adapter, frozen (peft's "ref" beside the trained
-    "default"): KL is 0 at the first update though the adapter is far from the base, rises after it,
-    and the reference's weights never move."""
+def sft_policy_and_reference(tmp_path):
+    """rl.load_policy's layout for --init <SFT adapter>: a trained adapter (non-zero B, far from the base)
+    as the trainable "default", and a frozen copy of it as "ref"."""
     from peft import PeftModel
     sft = tiny_lora_model()
-    for n, p in sft.named_parameters():                # a trained adapter: non-zero B, far from the base
+    for n, p in sft.named_parameters():
         if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.5)
+            torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.5)
     sft.save_pretrained(tmp_path / "sft")
     base = sft.unload()                                 # the same random base without LoRA layers
     model = PeftModel.from_pretrained(base, tmp_path / "sft", is_trainable=True)
     model.load_adapter(tmp_path / "sft", adapter_name="ref", is_trainable=False)
+    return model
+
+
+def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
+    """From an SFT adapter the KL reference is that adapter, frozen (peft's "ref" beside the trained
+    "default"): KL is 0 at the first update though the adapter is far from the base, rises after it,
+    and the reference's weights never move."""
+    model = sft_policy_and_reference(tmp_path)
     trajs = fake_trajs()
     ids, attn, mask = batch_trajectories(trajs, pad_id=2)
     with torch.no_grad():
@@ -219,6 +226,55 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     assert trainable and all(".default." in n for n in trainable)      # reference_policy() restored them
     with reference_policy(model), torch.no_grad():      # and it still computes the starting policy
         assert torch.allclose(sequence_logprobs(model, ids, attn, mask), pol, atol=1e-6)
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_skipping_the_reference_pass_before_the_first_step_is_exact(tmp_path, mini_batches):
+    """Before RL's first optimizer step the policy is its reference, so rl.py skips the reference pass
+    (ref_is_policy=not optimizer.state): the update and the logged KL are the ones the pass gives."""
+    trajs, adv = fake_trajs(), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    runs = {}
+    for skip in (False, True):
+        model = sft_policy_and_reference(tmp_path / str(skip))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
+        st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": mini_batches}),
+                         pad_id=2, ref_is_policy=skip)
+        runs[skip] = st, [p.detach().clone() for p in params]
+    (st_pass, w_pass), (st_skip, w_skip) = runs[False], runs[True]
+    print(st_pass, st_skip)
+    # one mini-batch: KL 0; two: the second is measured after the first's step, against the old log-probs
+    assert st_skip["kl_sum"] == pytest.approx(st_pass["kl_sum"], rel=1e-5, abs=1e-6 * st_pass["tokens"])
+    assert (st_skip["kl_sum"] == 0.0) == (mini_batches == 1)
+    assert st_skip["grad_norm"] == pytest.approx(st_pass["grad_norm"], rel=1e-5) and st_skip["grad_norm"] > 0
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w_pass, w_skip))
+
+
+def test_bf16_autocast_update_follows_the_fp32_one():
+    """--train-bf16 on: the body's matmuls run in bf16 (weights and LoRA fp32), the log-probs come from an
+    fp32 head. The update differs from fp32's (the autocast really ran) but points the same way, and the
+    log-probs stay fp32 and within bf16 rounding of the fp32 ones."""
+    from kernels import sequence_logprobs
+    trajs, adv = fake_trajs(), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    updates = {}
+    for bf16 in ("off", "on"):
+        model = tiny_lora_model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
+        before = [p.detach().clone() for p in params]
+        grpo_update(model, torch.optim.SGD(params, lr=1.0), trajs, adv,
+                    SimpleNamespace(**{**vars(ARGS), "train_bf16": bf16}), pad_id=2)
+        updates[bf16] = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)])
+    cos = torch.nn.functional.cosine_similarity(updates["on"], updates["off"], dim=0)
+    print(f"cosine(bf16 update, fp32 update) = {cos:.5f}")
+    assert not torch.equal(updates["on"], updates["off"]) and cos > 0.99
+    ids, attn, mask = batch_trajectories(trajs, pad_id=2)
+    with torch.no_grad():
+        fp32 = sequence_logprobs(model, ids, attn, mask)
+        with torch.autocast("cpu", torch.bfloat16):
+            bf = sequence_logprobs(model, ids, attn, mask)
+    assert bf.dtype == torch.float32 and not torch.equal(bf, fp32) and torch.allclose(bf, fp32, atol=0.05)
 
 
 def test_masked_tokens_get_zero_gradient_through_the_model():
