@@ -3,6 +3,7 @@
 Formatting tests use the real (cached) SmolLM2 tokenizer; generation tests use a tiny random Llama with
 the same vocabulary, so everything runs in well under a minute on CPU.
 """
+import contextlib
 import copy
 import json
 
@@ -318,6 +319,42 @@ def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
     assert len({tuple(t.token_ids) for t in one}) == len(one)                  # 8 different conversations
     assert sum(t.stats["truncated_turns"] for t in one) < sum(t.turns for t in one)   # and rows end at different steps
+
+
+def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok, tiny, monkeypatch):
+    """ModelAgent samples with the LoRA delta folded into the weights (rollout.lora_merged): greedy turns are
+    the unmerged adapter's, every weight is bit for bit what it was, and each row's keys/values are still
+    reused from one round to the next (the merge's own writes are not a weight change)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    model = get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tasks, runs = envs.make_tasks("retail", "train", 2), {}
+    for merge in (False, True):
+        if not merge:
+            monkeypatch.setattr(rollout, "lora_merged", lambda m: contextlib.nullcontext())
+        agent, seen = ModelAgent(model, tok, temperature=0.0, max_new_tokens=8), []
+        prefill = agent._prefill_wave
+
+        def spy(rows, P, gid, agent=agent, prefill=prefill, seen=seen):   # per round: merged?, least own KV cached
+            seen.append((any(m.merged for m in model.modules() if isinstance(m, LoraLayer)),
+                         min(agent._cached(r)[0] - p for r, p in zip(rows, P))))
+            return prefill(rows, P, gid)
+        agent._prefill_wave = spy
+        runs[merge] = run_episodes(agent, tok, tasks, group_size=2, max_turns=4, progress=False, seed=3), seen
+        monkeypatch.undo()
+    (plain, plain_seen), (merged, merged_seen) = runs[False], runs[True]
+    print("per round (merged, own tokens cached):", merged_seen)
+    assert not any(m for m, _ in plain_seen) and all(m for m, _ in merged_seen)
+    assert len(merged_seen) > 1 and all(c > 0 for _, c in merged_seen[1:])       # rows continue their cache
+    for a, b in zip(plain, merged):
+        assert (a.token_ids, a.messages, a.stop_reason) == (b.token_ids, b.messages, b.stop_reason)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(m.merged for m in model.modules() if isinstance(m, LoraLayer))
 
 
 def test_two_system_prompts_decode_together_as_each_would_alone(tok, tiny):
