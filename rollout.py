@@ -12,6 +12,7 @@ users.py (the simulated users).
 Run
   python rollout.py                 # a few episodes, default model + scripted user, printed
   python rollout.py --bench         # tokens/s: batched loop vs one conversation at a time
+  python rollout.py --bench --adapter runs/sft/adapter   # tokens/s: LoRA merged into the weights vs not
   python rollout.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
 
 Simplifications vs the paper
@@ -47,7 +48,7 @@ from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_
 from users import STOP, make_user, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # bf16 matmuls are slow on these CPUs
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 sampling is slower (rl.py's update autocasts)
 DEFAULT_MODEL = "smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = os.environ.get("MUA_RL_CACHE") or os.path.expanduser("~/.cache/mua-rl")
@@ -284,7 +285,7 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 @contextlib.contextmanager
 def lora_merged(model):
     """Sample with the active LoRA adapter folded into the weights, W + (alpha / r) B A: one matmul per
-    projection instead of three (README, rollout speed). The weights come back bit for bit afterwards
+    projection instead of three (README, "A cheaper update"). The weights come back bit for bit afterwards
     (unmerging alone subtracts in floating point and leaves rounding behind), so training and the KL
     reference see the weights they saw before. CPU and unquantized only: on a GPU a saved copy of 8B
     weights would not fit beside them, and NF4 weights cannot take a delta. Not while the adapter is
@@ -315,6 +316,8 @@ class ModelAgent:
     decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
     weights change (an optimizer step bumps the parameters' _version counters).
 
+    On CPU a LoRA adapter is merged into the weights for the call (lora_merged; merge_lora=False: not).
+
     Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
     kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
     KV_RESERVE for the training step, on CPU no limit). When the rows' keys/values would not fit a
@@ -325,8 +328,9 @@ class ModelAgent:
     KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak (README budget)
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
-                 kv_budget: int | None = None, thinking: bool = False):
+                 kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True):
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
+        self.merge_lora = merge_lora               # sample with the LoRA delta in the weights (lora_merged)
         self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
         self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
@@ -373,7 +377,7 @@ class ModelAgent:
         version = sum(p._version for p in self.model.parameters())   # lora_merged writes through .data: no bump
         if version != self.version:
             self.memo, self.version = [], version
-        with lora_merged(self.model):
+        with lora_merged(self.model) if self.merge_lora else contextlib.nullcontext():
             outs = self._act(batch, [torch.tensor(ids) for _, _, ids in batch])
         self.model.train(was_training)
         return outs
@@ -657,23 +661,28 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
 # ----------------------------------------------------------------------------- main
 
 def bench(model, tok, args):
-    """Sampled tokens/s of the batched loop vs one conversation at a time, same run, same settings."""
+    """Sampled tokens/s, same run, same settings: the batched loop vs one conversation at a time; with
+    --adapter, the batched loop with the LoRA delta merged into the weights vs unmerged (lora_merged)."""
     tasks = envs.make_tasks("retail", "train", 16, seed=args.seed)
     agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=args.max_new_tokens)
     kw = dict(max_turns=args.max_turns, progress=False)
+    modes = ("unmerged", "merged") if args.adapter else ("sequential", "batched")
+    run_episodes(agent, tok, tasks[:1], seed=args.seed, **kw)        # untimed warm-up: the first call's overheads
     print(f"bench: {args.max_turns} turns x <= {args.max_new_tokens} new tokens per conversation, "
           f"{torch.get_num_threads()} threads, {DEVICE}\n{'convs':>5} {'mode':>10} {'tokens':>7} {'seconds':>8} "
           f"{'tok/s':>7} {'speedup':>7}")
     for n in (8, 16):
         rates = {}
-        for mode in ("sequential", "batched"):
+        for mode in modes:
+            agent.merge_lora = mode != "unmerged"
+            torch.manual_seed(args.seed)
             t0 = time.time()
-            groups = [tasks[:n]] if mode == "batched" else [[t] for t in tasks[:n]]
+            groups = [[t] for t in tasks[:n]] if mode == "sequential" else [tasks[:n]]
             trajs = [t for g in groups for t in run_episodes(agent, tok, g, seed=args.seed, **kw)]
             dt, toks = time.time() - t0, sum(sum(t.loss_mask) for t in trajs)
             rates[mode] = toks / dt
             print(f"{n:>5} {mode:>10} {toks:>7} {dt:>8.1f} {rates[mode]:>7.1f} "
-                  f"{rates[mode] / rates['sequential']:>6.2f}x", flush=True)
+                  f"{rates[mode] / rates[modes[0]]:>6.2f}x", flush=True)
 
 
 def main():
@@ -696,7 +705,7 @@ def main():
                     "in waves that fit (0 = auto: free GPU memory minus a reserve; CPU: no limit)")
     ap.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (default off, as in the paper)")
     ap.add_argument("--bench", action="store_true", help="batched vs sequential tokens/s at 8 and 16 conversations "
-                    "(try --max-turns 2 --max-new-tokens 48 on CPU)")
+                    "(try --max-turns 2 --max-new-tokens 48 on CPU); with --adapter: LoRA merged vs unmerged, batched")
     args = ap.parse_args()
     print(vars(args))
     torch.set_num_threads(args.threads)

@@ -3,7 +3,6 @@
 Formatting tests use the real (cached) SmolLM2 tokenizer; generation tests use a tiny random Llama with
 the same vocabulary, so everything runs in well under a minute on CPU.
 """
-import contextlib
 import copy
 import json
 
@@ -321,7 +320,7 @@ def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
     assert sum(t.stats["truncated_turns"] for t in one) < sum(t.turns for t in one)   # and rows end at different steps
 
 
-def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok, tiny, monkeypatch):
+def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok, tiny):
     """ModelAgent samples with the LoRA delta folded into the weights (rollout.lora_merged): greedy turns are
     the unmerged adapter's, every weight is bit for bit what it was, and each row's keys/values are still
     reused from one round to the next (the merge's own writes are not a weight change)."""
@@ -334,9 +333,7 @@ def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok,
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     tasks, runs = envs.make_tasks("retail", "train", 2), {}
     for merge in (False, True):
-        if not merge:
-            monkeypatch.setattr(rollout, "lora_merged", lambda m: contextlib.nullcontext())
-        agent, seen = ModelAgent(model, tok, temperature=0.0, max_new_tokens=8), []
+        agent, seen = ModelAgent(model, tok, temperature=0.0, max_new_tokens=8, merge_lora=merge), []
         prefill = agent._prefill_wave
 
         def spy(rows, P, gid, agent=agent, prefill=prefill, seen=seen):   # per round: merged?, least own KV cached
@@ -345,7 +342,6 @@ def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok,
             return prefill(rows, P, gid)
         agent._prefill_wave = spy
         runs[merge] = run_episodes(agent, tok, tasks, group_size=2, max_turns=4, progress=False, seed=3), seen
-        monkeypatch.undo()
     (plain, plain_seen), (merged, merged_seen) = runs[False], runs[True]
     print("per round (merged, own tokens cached):", merged_seen)
     assert not any(m for m, _ in plain_seen) and all(m for m, _ in merged_seen)
