@@ -150,9 +150,13 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.train_bf16 == "auto":
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        args.train_bf16 = "on" if native and not torch.cuda.is_available() and not args.load_in_4bit else "off"
+        args.train_bf16 = "on" if native_bf16_cpu() and not torch.cuda.is_available() and not args.load_in_4bit else "off"
     return args
+
+
+def native_bf16_cpu() -> bool:
+    """Does this CPU have bf16 dot products (AVX512-BF16 or AMX)? --train-bf16 auto autocasts only there."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 # ---------------------------------------------------------------- GRPO pieces (tested)
@@ -547,8 +551,7 @@ def bench_update(args, rows=4, prefix=1644, own=990):
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
     print(f"bench-update: {rows} rows of {prefix} shared + {own} own tokens, micro-batch {args.micro_batch}, "
-          f"{torch.get_num_threads()} threads, {rollout.DEVICE}; native bf16: "
-          f"{torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()}")
+          f"{torch.get_num_threads()} threads, {rollout.DEVICE}; native bf16: {native_bf16_cpu()}")
     base = None
     for name, bf16, skip in (("warm-up", "off", False), ("fp32, reference pass", "off", False),
                              ("fp32, no reference pass", "off", True), ("bf16, reference pass", "on", False),

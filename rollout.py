@@ -24,7 +24,6 @@ Simplifications vs the paper
     attended once (kernels/attention.py); --bench measures it against one conversation at a time.
 """
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -34,7 +33,6 @@ import tempfile
 import time
 import zlib
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -43,9 +41,9 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 import envs
-from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, plan_waves, prefill_together,
-                               token_slice, weight_major_linear)
-from users import STOP, make_user, visible_text, without_think
+from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
+                               prefill_together, token_slice, weight_major_linear)
+from users import STOP, ask_users, make_user, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 sampling is slower (rl.py's update autocasts)
@@ -282,30 +280,6 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-@contextlib.contextmanager
-def lora_merged(model):
-    """Sample with the active LoRA adapter folded into the weights, W + (alpha / r) B A: one matmul per
-    projection instead of three (README, "A cheaper update"). The weights come back bit for bit afterwards
-    (unmerging alone subtracts in floating point and leaves rounding behind), so training and the KL
-    reference see the weights they saw before. CPU and unquantized only: on a GPU a saved copy of 8B
-    weights would not fit beside them, and NF4 weights cannot take a delta. Not while the adapter is
-    disabled (the base model is what samples then)."""
-    from peft.tuners.lora import LoraLayer
-    lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if not lora or model.device.type != "cpu" or any(m.disable_adapters or m.merged for m in lora) or \
-            any(not m.get_base_layer().weight.is_floating_point() for m in lora):
-        yield
-        return
-    saved = [m.get_base_layer().weight.detach().clone() for m in lora]
-    model.merge_adapter()
-    try:
-        yield
-    finally:
-        model.unmerge_adapter()
-        for m, w in zip(lora, saved):
-            m.get_base_layer().weight.data.copy_(w)
-
-
 class ModelAgent:
     """The policy as a sampler: act() advances every waiting conversation by one turn, sampling from
     softmax(logits / T) (no top-k/top-p; T = 0: greedy) and keeping each sampled token's log-prob.
@@ -314,9 +288,8 @@ class ModelAgent:
     between rounds (the next round prefills just the user/tool turn appended since), and the prefix all
     conversations share (the ~1.8k-token system prompt) is prefilled once, stored once and, while
     decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
-    weights change (an optimizer step bumps the parameters' _version counters).
-
-    On CPU a LoRA adapter is merged into the weights for the call (lora_merged; merge_lora=False: not).
+    weights change (an optimizer step bumps the parameters' _version counters). On CPU the LoRA delta is
+    merged into the weights for each call (kernels.attention.lora_merged; merge_lora=False: not).
 
     Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
     kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
@@ -377,7 +350,7 @@ class ModelAgent:
         version = sum(p._version for p in self.model.parameters())   # lora_merged writes through .data: no bump
         if version != self.version:
             self.memo, self.version = [], version
-        with lora_merged(self.model) if self.merge_lora else contextlib.nullcontext():
+        with lora_merged(self.model, self.merge_lora):
             outs = self._act(batch, [torch.tensor(ids) for _, _, ids in batch])
         self.model.train(was_training)
         return outs
@@ -531,21 +504,6 @@ class OpenAIAgent(TextAgent):
 
 
 # ----------------------------------------------------------------------------- the rollout loop
-
-def ask_users(calls: list, workers: int) -> list:
-    """Call each of calls (a user writing its next message), up to `workers` at once when workers > 1: an
-    LLM user waits on the network, and a round at paper scale asks 256 of them. -> the messages in order,
-    an exception in place of a message that failed (after the user's own retries)."""
-    def call(fn):
-        try:
-            return fn()
-        except Exception as e:                           # handed back: the caller decides what it ends
-            return e
-    if workers <= 1 or len(calls) <= 1:
-        return [call(fn) for fn in calls]
-    with ThreadPoolExecutor(min(workers, len(calls))) as pool:
-        return list(pool.map(call, calls))
-
 
 def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,

@@ -6,7 +6,7 @@ the policy or the DB. One interface, User.first_message() / User.reply(messages)
   OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
   LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
-rollout.run_episodes asks them for replies; imports nothing of ours.
+rollout.run_episodes asks them for replies (ask_users: many LLM users at once); imports nothing of ours.
 """
 import contextlib
 import functools
@@ -14,6 +14,7 @@ import os
 import random
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 # fact key -> lowercase words an agent would use to ask for it (the scripted user matches these)
 FACT_KEYWORDS = {
@@ -287,6 +288,21 @@ class LocalUser(LLMUser):
         self.usage["prompt_tokens"] += ids.shape[1]
         self.usage["completion_tokens"] += out.shape[1] - ids.shape[1]
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def ask_users(calls: list, workers: int) -> list:
+    """Call each of calls (a user writing its next message), up to `workers` at once when workers > 1: an
+    LLM user waits on the network, and a round at paper scale asks 256 of them. -> the messages in order,
+    an exception in place of a message that failed (after the user's own retries)."""
+    def call(fn):
+        try:
+            return fn()
+        except Exception as e:                           # handed back: the caller decides what it ends
+            return e
+    if workers <= 1 or len(calls) <= 1:
+        return [call(fn) for fn in calls]
+    with ThreadPoolExecutor(min(workers, len(calls))) as pool:
+        return list(pool.map(call, calls))
 
 
 def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:

@@ -15,6 +15,7 @@ shared_prefix_attention
                forward without the shared_prefix= argument falls through to plain SDPA.
 weight_major_linear
                a decode step's linear layers in the weight-major layout, much faster on CPU for few rows.
+lora_merged    the LoRA delta folded into the weights while sampling (CPU), the weights restored bit for bit.
 prefill_together
                the new turns of many rows that continue one shared prefix, prefilled in one forward.
 kv_bytes_per_token, plan_waves
@@ -97,6 +98,30 @@ def weight_major_linear(max_rows: int = 64):
         yield
     finally:
         F.linear = plain
+
+
+@contextlib.contextmanager
+def lora_merged(model, enabled: bool = True):
+    """Sample with the active LoRA adapter folded into the weights, W + (alpha / r) B A: one matmul per
+    projection instead of three (README, "A cheaper update"). The weights come back bit for bit afterwards
+    (unmerging alone subtracts in floating point and leaves rounding behind), so training and the KL
+    reference see the weights they saw before. CPU and unquantized only: on a GPU a saved copy of 8B
+    weights would not fit beside them, and NF4 weights cannot take a delta. Not while the adapter is
+    disabled (the base model is what samples then), nor with enabled=False."""
+    from peft.tuners.lora import LoraLayer
+    lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if not (enabled and lora and model.device.type == "cpu") or any(m.disable_adapters or m.merged for m in lora) \
+            or any(not m.get_base_layer().weight.is_floating_point() for m in lora):
+        yield
+        return
+    saved = [m.get_base_layer().weight.detach().clone() for m in lora]
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+        for m, w in zip(lora, saved):
+            m.get_base_layer().weight.data.copy_(w)
 
 
 @contextlib.contextmanager
