@@ -231,45 +231,50 @@ def _chunk_grad(logits, targets, grad_out, row_max, logz, temperature, impl):
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """hidden (n, H) of valid rows only, weight (V, H) -> (n,) fp32; logits exist one chunk at a time."""
+    """hidden (n, H) of valid rows only, weight (V, H) -> (n,) fp32; logits exist one chunk at a time.
+    Autocast off inside, forward and backward (which recomputes the logits): under a bf16 autocast body
+    (rl.py --train-bf16) the head keeps the weights' dtype, as bf16-rounded logits (~20 at 2^-8 relative
+    precision) would move each log-prob by up to ~0.04 nat and its gradient would not match the forward's."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, impl):
-        n = hidden.shape[0]
-        w = weight.to(hidden.dtype)
-        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        row_max, logz = torch.empty_like(out), torch.empty_like(out)
-        for s in range(0, n, chunk):
-            logits = hidden[s:s + chunk] @ w.T  # (chunk, V) <- the only big tensor; freed each iteration
-            lp, m, z = _chunk_forward(logits, targets[s:s + chunk], temperature, impl)
-            out[s:s + chunk] = lp
-            if m is not None:
-                row_max[s:s + chunk], logz[s:s + chunk] = m, z
-        ctx.save_for_backward(hidden, weight, targets, row_max, logz)
-        ctx.temperature, ctx.chunk, ctx.impl = temperature, chunk, impl
-        return out
+        with torch.autocast(hidden.device.type, enabled=False):
+            n = hidden.shape[0]
+            w = weight.to(hidden.dtype)
+            out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+            row_max, logz = torch.empty_like(out), torch.empty_like(out)
+            for s in range(0, n, chunk):
+                logits = hidden[s:s + chunk] @ w.T  # (chunk, V) <- the only big tensor; freed each iteration
+                lp, m, z = _chunk_forward(logits, targets[s:s + chunk], temperature, impl)
+                out[s:s + chunk] = lp
+                if m is not None:
+                    row_max[s:s + chunk], logz[s:s + chunk] = m, z
+            ctx.save_for_backward(hidden, weight, targets, row_max, logz)
+            ctx.temperature, ctx.chunk, ctx.impl = temperature, chunk, impl
+            return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, targets, row_max, logz = ctx.saved_tensors
-        chunk = ctx.chunk
-        w = weight.to(hidden.dtype)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None  # fp32 accumulator across chunks
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
-            logits = h @ w.T  # (chunk, V) recomputed: one more matmul instead of keeping N x V
-            grad_logits = _chunk_grad(logits, targets[s:s + chunk], grad_out[s:s + chunk].contiguous(),
-                                      row_max[s:s + chunk], logz[s:s + chunk], ctx.temperature, ctx.impl)
-            del logits
-            if grad_hidden is not None:
-                grad_hidden[s:s + chunk] = grad_logits @ w
+        with torch.autocast(grad_out.device.type, enabled=False):
+            chunk = ctx.chunk
+            w = weight.to(hidden.dtype)
+            grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+                if ctx.needs_input_grad[1] else None  # fp32 accumulator across chunks
+            for s in range(0, hidden.shape[0], chunk):
+                h = hidden[s:s + chunk]
+                logits = h @ w.T  # (chunk, V) recomputed: one more matmul instead of keeping N x V
+                grad_logits = _chunk_grad(logits, targets[s:s + chunk], grad_out[s:s + chunk].contiguous(),
+                                          row_max[s:s + chunk], logz[s:s + chunk], ctx.temperature, ctx.impl)
+                del logits
+                if grad_hidden is not None:
+                    grad_hidden[s:s + chunk] = grad_logits @ w
+                if grad_weight is not None:
+                    grad_weight.add_(grad_logits.T @ h)
             if grad_weight is not None:
-                grad_weight.add_(grad_logits.T @ h)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+                grad_weight = grad_weight.to(weight.dtype)
+            return grad_hidden, grad_weight, None, None, None, None
 
 
 def masked_logprobs_chunked(hidden, weight, targets, mask, temperature=1.0, chunk=4096, impl="auto"):
@@ -321,11 +326,8 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     B, T, H = hidden.shape
     # the hidden state at t-1 predicts token t
     mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
-    # under a bf16 autocast (rl.py --train-bf16) only the body runs in bf16: the head keeps the weights' dtype,
-    # as bf16-rounded logits (~20 at 2^-8 relative precision) would move each log-prob by up to ~0.04 nat
-    with torch.autocast(hidden.device.type, enabled=False):
-        lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
-                                     mask.reshape(-1), temperature, chunk)
+    lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
+                                 mask.reshape(-1), temperature, chunk)
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
 
 

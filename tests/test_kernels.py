@@ -203,6 +203,21 @@ def test_chunked_matches_plain(dtype, impl):
     assert (out[~mask] == 0).all() and (h1.grad[~mask] == 0).all()
 
 
+def test_chunked_head_stays_fp32_under_bf16_autocast():
+    """rl.py --train-bf16 runs the body under bf16 autocast; the chunked head turns it off for itself, in the
+    forward and in the backward (which recomputes the logits, and runs inside the caller's autocast):
+    values and gradients are exactly the fp32 ones, not bf16-rounded."""
+    hidden, weight, targets, mask, g = chunked_case(29, 16, 4097, torch.float32, seed=12)
+    grads = {}
+    for bf16 in (False, True):
+        h = (hidden * 8).clone().requires_grad_()          # logits of ~10-30, as a trained model's
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            out = masked_logprobs_chunked(h, weight, targets, mask, temperature=0.7, chunk=5, impl="torch")
+            out.backward(g)
+        grads[bf16] = out.detach(), h.grad
+    assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
+
+
 def test_chunked_never_materialises_full_logits():
     """Record every tensor produced during forward + backward: none may have more than `chunk` rows of V."""
     from torch.utils._python_dispatch import TorchDispatchMode

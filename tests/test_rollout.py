@@ -321,7 +321,7 @@ def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
 
 
 def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok, tiny):
-    """ModelAgent samples with the LoRA delta folded into the weights (rollout.lora_merged): greedy turns are
+    """ModelAgent samples with the LoRA delta folded into the weights (kernels.attention.lora_merged): greedy turns are
     the unmerged adapter's, every weight is bit for bit what it was, and each row's keys/values are still
     reused from one round to the next (the merge's own writes are not a weight change)."""
     from peft import LoraConfig, get_peft_model
