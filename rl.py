@@ -42,7 +42,9 @@ Simplifications versus the paper and its official code:
 - Before the first optimizer step the reference is the policy, so its pass is skipped (exact: KL 0).
 - On a CPU with native bf16 (AVX512-BF16 or AMX) the update's forward and backward run under bf16
   autocast (--train-bf16 auto; weights, LoRA, AdamW and the log-softmax stay fp32), as GPU training
-  runs in bf16: `python rl.py --bench-update` times it. Sampling stays fp32, where bf16 was not faster.
+  runs in bf16: `python rl.py --bench-update` times it. The rollouts' prefill of new turns does too
+  (--sample-bf16 auto), so the sampler is the policy up to bf16 rounding; the loss never reads the
+  sampler's log-probs (the update recomputes them), and decoding stays fp32, where bf16 was slower.
 - Learning rates are ours, for LoRA; full fine-tuning would use smaller ones.
 """
 import argparse
@@ -127,6 +129,9 @@ def parse_args(argv=None):
                    "backward under bf16 autocast (weights, LoRA, AdamW and the log-softmax stay fp32); auto = on for a "
                    "CPU with native bf16 dot products (AVX512-BF16 or AMX), where it makes the update a quarter to a "
                    "third cheaper (README); off on GPU, whose weights are bf16 already")
+    p.add_argument("--sample-bf16", default="auto", choices=["auto", "on", "off"], help="prefill the rollouts' new "
+                   "turns under bf16 autocast (decoding stays fp32; held-out evals stay exact fp32); auto = as "
+                   "--train-bf16 auto. The sampler is then the policy up to bf16 rounding, not exactly it")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank when starting from base")
     p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha when starting from base")
     p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps (preset)")
@@ -149,13 +154,15 @@ def parse_args(argv=None):
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.train_bf16 == "auto":
-        args.train_bf16 = "on" if native_bf16_cpu() and not torch.cuda.is_available() and not args.load_in_4bit else "off"
+    bf16_cpu = native_bf16_cpu() and not torch.cuda.is_available() and not args.load_in_4bit
+    for k in ("train_bf16", "sample_bf16"):
+        if getattr(args, k) == "auto":
+            setattr(args, k, "on" if bf16_cpu else "off")
     return args
 
 
 def native_bf16_cpu() -> bool:
-    """Does this CPU have bf16 dot products (AVX512-BF16 or AMX)? --train-bf16 auto autocasts only there."""
+    """Does this CPU have bf16 dot products (AVX512-BF16 or AMX)? --train/sample-bf16 auto autocast only there."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -445,7 +452,8 @@ def main(argv=None):
     heldout = envs.held_out_tasks(domains, args.eval_skip + args.eval_tasks, tiers, args.seed)
     heldout = [t for d in domains for t in [t for t in heldout if t.domain == d][args.eval_skip:]]
     agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
+                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking,
+                               prefill_bf16=args.sample_bf16 == "on")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else \
         {"model": model, "tokenizer": tok} if args.user == "local" else {}

@@ -12,7 +12,7 @@ users.py (the simulated users).
 Run
   python rollout.py                 # a few episodes, default model + scripted user, printed
   python rollout.py --bench         # tokens/s: batched loop vs one conversation at a time
-  python rollout.py --bench --adapter runs/sft/adapter   # tokens/s: LoRA merged into the weights vs not
+  python rollout.py --bench --adapter runs/sft/adapter   # tokens/s: LoRA merged or not, bf16 prefill
   python rollout.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
 
 Simplifications vs the paper
@@ -290,6 +290,8 @@ class ModelAgent:
     decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
     weights change (an optimizer step bumps the parameters' _version counters). On CPU the LoRA delta is
     merged into the weights for each call (kernels.attention.lora_merged; merge_lora=False: not).
+    prefill_bf16: new turns prefilled under bf16 autocast (rl.py's rollouts on a CPU with native bf16;
+    decoding stays fp32): faster, and the sampler is then the policy up to bf16 rounding, not exactly.
 
     Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
     kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
@@ -301,9 +303,11 @@ class ModelAgent:
     KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak (README budget)
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
-                 kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True):
+                 kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True,
+                 prefill_bf16: bool = False):
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
         self.merge_lora = merge_lora               # sample with the LoRA delta in the weights (lora_merged)
+        self.prefill_bf16 = prefill_bf16           # new turns prefilled under bf16 autocast (rl.py's rollouts)
         self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
         self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
@@ -403,11 +407,12 @@ class ModelAgent:
             if p and all(cached[i][0] >= p for i in idx):     # the usual case: a cached shared prefix
                 prefixes[g] = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, p)))
                                for pieces in cached[idx[0]][1]]
-                own, last = prefill_together(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
-                                             prefixes[g], pad=self.fmt.end_of_turn_id)
+                with torch.autocast(self.model.device.type, torch.bfloat16, enabled=self.prefill_bf16):
+                    own, last = prefill_together(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
+                                                 prefixes[g], pad=self.fmt.end_of_turn_id)
                 for i, layers, lg in zip(idx, own, last):
                     put(i, layers)
-                    logits[i] = lg
+                    logits[i] = lg.float()
                 continue
             for i in idx:
                 kv, logits[i] = self._prefill(rows[i])
@@ -620,11 +625,12 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
 
 def bench(model, tok, args):
     """Sampled tokens/s, same run, same settings: the batched loop vs one conversation at a time; with
-    --adapter, the batched loop with the LoRA delta merged into the weights vs unmerged (lora_merged)."""
+    --adapter, the batched loop with the LoRA delta merged into the weights vs unmerged (lora_merged), and
+    merged with the new turns prefilled under bf16 autocast (ModelAgent's prefill_bf16, rl.py's sampler)."""
     tasks = envs.make_tasks("retail", "train", 16, seed=args.seed)
     agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=args.max_new_tokens)
     kw = dict(max_turns=args.max_turns, progress=False)
-    modes = ("unmerged", "merged") if args.adapter else ("sequential", "batched")
+    modes = ("unmerged", "merged", "bf16-prefill") if args.adapter else ("sequential", "batched")
     run_episodes(agent, tok, tasks[:1], seed=args.seed, **kw)        # untimed warm-up: the first call's overheads
     print(f"bench: {args.max_turns} turns x <= {args.max_new_tokens} new tokens per conversation, "
           f"{torch.get_num_threads()} threads, {DEVICE}\n{'convs':>5} {'mode':>10} {'tokens':>7} {'seconds':>8} "
@@ -632,7 +638,7 @@ def bench(model, tok, args):
     for n in (8, 16):
         rates = {}
         for mode in modes:
-            agent.merge_lora = mode != "unmerged"
+            agent.merge_lora, agent.prefill_bf16 = mode != "unmerged", mode == "bf16-prefill"
             torch.manual_seed(args.seed)
             t0 = time.time()
             groups = [[t] for t in tasks[:n]] if mode == "sequential" else [tasks[:n]]
@@ -663,7 +669,8 @@ def main():
                     "in waves that fit (0 = auto: free GPU memory minus a reserve; CPU: no limit)")
     ap.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (default off, as in the paper)")
     ap.add_argument("--bench", action="store_true", help="batched vs sequential tokens/s at 8 and 16 conversations "
-                    "(try --max-turns 2 --max-new-tokens 48 on CPU); with --adapter: LoRA merged vs unmerged, batched")
+                    "(try --max-turns 2 --max-new-tokens 48 on CPU); with --adapter: LoRA unmerged vs merged vs "
+                    "merged + bf16 prefill")
     args = ap.parse_args()
     print(vars(args))
     torch.set_num_threads(args.threads)
