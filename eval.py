@@ -9,7 +9,9 @@ What it does
      miss_param, long_context; the paper's "BFCL-V3 Multi Turn" is all four), its
      per-turn user queries as the user's messages, its simulated API classes executing the model's
      calls, and its own multi-turn checker (state + execution-result checks after every turn).
-  3. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
+  3. Beside pass^1: the episodes whose first write came after asking to confirm, and the successes
+     not cut off at the turn cap (τ²-bench scores a cut-off episode 0; our reward does not).
+  4. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
      with another user seed and flagged `user_sim_suspect` if they then succeed (tau2-bench found
      user-simulator errors behind up to 30% of retail failures).
 
