@@ -46,7 +46,7 @@ from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_
 from users import STOP, ask_users, make_user, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 sampling is slower (rl.py's update autocasts)
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 decoding is slower (see ModelAgent)
 DEFAULT_MODEL = "smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = os.environ.get("MUA_RL_CACHE") or os.path.expanduser("~/.cache/mua-rl")
@@ -412,7 +412,7 @@ class ModelAgent:
                                                  prefixes[g], pad=self.fmt.end_of_turn_id)
                 for i, layers, lg in zip(idx, own, last):
                     put(i, layers)
-                    logits[i] = lg.float()
+                    logits[i] = lg
                 continue
             for i in idx:
                 kv, logits[i] = self._prefill(rows[i])
