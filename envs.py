@@ -3,7 +3,8 @@
 What: two procedurally generated domains (a database, tools over it with OpenAI JSON schemas, a short policy) and
 tasks from 12 scenarios in three tiers: a brief for a simulated user (persona, request, facts revealed only when
 asked) plus an oracle's gold actions. Env(task) gives every rollout a fresh database; reward() is 1.0 iff the final
-database equals the gold replay's AND the agent said every required output; diff() explains a 0.0 field by field.
+database equals the gold replay's AND the agent said every required output AND the conversation ended rather than
+being cut off at the turn cap (τ²'s rule); diff() explains a 0.0 field by field.
 
 Run:   python envs.py              # tour: a task, tools, policy, oracle replays, prompt tokens
 Test:  pytest tests/test_envs.py
@@ -23,6 +24,7 @@ from databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, lo
 
 DOMAINS = ("retail", "airline")
 TAU2_DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")   # τ²-bench itself: tau2_domains.py, loaded lazily
+ENDED = ("user_stop", "transfer", "agent_stop")   # a conversation that ended itself; the rest were cut short
 REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}  # cancel
 
 
@@ -601,7 +603,7 @@ class Env:
         self.task, self.shaped = task, shaped
         self.db = load_db(task.domain, task.split, task.seed)
         self.policy, self.tools = POLICIES[task.domain], tool_schemas(task.domain)
-        self.writes, self.missing_outputs, self._gold_db = [], [], None
+        self.writes, self.missing_outputs, self.cut_short, self._gold_db = [], [], "", None
 
     def step(self, name, arguments):
         """Run one tool call; return its observation. Never raises; a refused call changes nothing."""
@@ -633,12 +635,16 @@ class Env:
         return self._gold_db
 
     def reward(self, assistant_texts, stop_reason=None):
-        """1.0 iff DB hash == gold hash and every required output was said (case-insensitive substring),
-        however the episode ended (stop_reason is for τ², which scores a cut-short episode 0).
-        shaped=True: a failure still earns the fraction of gold write calls made exactly."""
+        """1.0 iff DB hash == gold hash, every required output was said (case-insensitive substring), and the
+        conversation ended (stop_reason None or in ENDED): as in τ², an episode cut off at the turn cap or
+        the context limit scores 0, so an agent that makes the write but never reports it done, re-asking
+        until the cap, does not pass. shaped=True: a failure still earns the fraction of gold write calls
+        made exactly (as τ²'s wrapper does)."""
         said = "\n".join(t for t in (assistant_texts or []) if isinstance(t, str)).lower()
         self.missing_outputs = [o for o in self.task.required_outputs if o.lower() not in said]
-        if (passed := not self.missing_outputs and db_hash(self.db) == db_hash(self.gold_db())) or not self.shaped:
+        self.cut_short = "" if stop_reason in (None, *ENDED) else stop_reason   # max_turns, context_limit, error
+        passed = not self.missing_outputs and not self.cut_short and db_hash(self.db) == db_hash(self.gold_db())
+        if passed or not self.shaped:
             return float(passed)
         key = lambda a: (a.name, json.dumps(a.arguments, sort_keys=True))   # noqa: E731
         gold = [key(a) for a in self.task.gold_actions if a.name in WRITE_TOOLS[self.task.domain]]
@@ -646,11 +652,13 @@ class Env:
         return sum(min(gold.count(k), done.count(k)) for k in set(gold)) / len(gold) if gold else 0.0
 
     def diff(self):
-        """Fields where the DB differs from the gold DB, plus outputs missing at the last reward(); "" if none."""
+        """How the last reward() ended (if cut short), the fields where the DB differs from the gold DB, and the
+        outputs it found missing; "" if none."""
         lines = []
         _diff(self.gold_db(), self.db, "", lines)
         lines = lines[:12] + [f"... and {len(lines) - 12} more fields"] * (len(lines) > 12)
-        return "\n".join(lines + [f"missing required output: {o!r}" for o in self.missing_outputs])
+        cut = [f"ended by {self.cut_short}: τ² scores a conversation cut short 0"] * bool(self.cut_short)
+        return "\n".join(cut + lines + [f"missing required output: {o!r}" for o in self.missing_outputs])
 
 
 # ----------------------------------------------------------------------------- tour: python envs.py

@@ -9,8 +9,8 @@ What it does
      miss_param, long_context; the paper's "BFCL-V3 Multi Turn" is all four), its
      per-turn user queries as the user's messages, its simulated API classes executing the model's
      calls, and its own multi-turn checker (state + execution-result checks after every turn).
-  3. Beside pass^1: the episodes whose first write came after asking to confirm, and the successes
-     not cut off at the turn cap (τ²-bench scores a cut-off episode 0; our reward does not).
+  3. Beside pass^1: the episodes whose first write came after asking to confirm, and how episodes ended
+     (the user's stop, or the turn cap, which scores 0 as in τ²-bench: envs.Env.reward).
   4. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
      with another user seed and flagged `user_sim_suspect` if they then succeed (tau2-bench found
      user-simulator errors behind up to 30% of retail failures).
@@ -248,16 +248,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
             "per_scenario": per("scenario"),
             "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
-            "writes": {"episodes": len(asked), "asked_first": sum(asked)},
-            "ended": {"episodes": len(trajs), "solved": solved_and_ended(trajs)}, "seconds": time.time() - t0}
-
-
-def solved_and_ended(trajs) -> int:
-    """Episodes solved AND ended by the conversation itself (the user's stop, the agent's, a transfer), not
-    cut off at the turn cap or the context limit. The reward, a database check, scores an episode however
-    it ends, so an agent that makes the right write and never reports it (re-asking until the cap) still
-    scores 1; τ²-bench scores a cut-off episode 0. This count is that stricter reading."""
-    return sum(tr.reward >= 1 and tr.stop_reason not in ("max_turns", "context_limit") for tr in trajs)
+            "writes": {"episodes": len(asked), "asked_first": sum(asked)}, "seconds": time.time() - t0}
 
 
 def asked_before_writing(traj) -> bool | None:
@@ -475,8 +466,8 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
              "each; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
              " | ".join(f"{g} pass^1" for g, _ in groups) + " | tool calls ok / err / malformed per 100 "
-             "turns | first write after asking to confirm | solved, not cut off at the cap | user-sim suspects | BFCL multi-turn (base / miss_func / miss_param / long_context: mean) |",
-             "|---" * (len(ks) + len(groups) + 6) + "|"]
+             "turns | first write after asking to confirm | user-sim suspects | BFCL multi-turn (base / miss_func / miss_param / long_context: mean) |",
+             "|---" * (len(ks) + len(groups) + 5) + "|"]
     for a in agents:
         tau, bfcl = results[a]["tau"], results[a].get("bfcl")
         row = [fmt(tau["overall"], k) for k in ks] + [fmt(tau[key][g], 1) for key in ("per_domain", "per_tier")
@@ -485,8 +476,7 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
         row += [" / ".join(f"{100 * c[k] / max(1, c['turns']):.0f}" for k in ("ok", "err", "malformed")) +
                 f" ({c['turns']} turns)"]
         w = tau["writes"]
-        row += [f"{w['asked_first']} of {w['episodes']} episodes" if w["episodes"] else "-",
-                f"{tau['ended']['solved']} of {tau['ended']['episodes']} episodes"]
+        row += [f"{w['asked_first']} of {w['episodes']} episodes" if w["episodes"] else "-"]
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-",
                 " / ".join(f"{v:.3f}" for v in bfcl["per_category"].values()) +
                 f": {bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
@@ -581,7 +571,7 @@ def main(argv=None):
         o = tau["overall"]
         print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) +
               f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
-              f"  stops {tau['stop_reasons']}  solved, not cut off {tau['ended']['solved']}  asked before writing {tau['writes']['asked_first']}/{tau['writes']['episodes']}"
+              f"  stops {tau['stop_reasons']}  asked before writing {tau['writes']['asked_first']}/{tau['writes']['episodes']}"
               f"  {tau['seconds']:.0f}s")
         if args.bfcl:
             bfcl = evaluate_bfcl(agent, tok, args.bfcl, args.bfcl_steps, max(args.max_context, 8192))

@@ -42,9 +42,11 @@ Simplifications versus the paper and its official code:
 - Before the first optimizer step the reference is the policy, so its pass is skipped (exact: KL 0).
 - On a CPU with native bf16 (AVX512-BF16 or AMX) the update's forward and backward run under bf16
   autocast (--train-bf16 auto; weights, LoRA, AdamW and the log-softmax stay fp32), as GPU training
-  runs in bf16: `python rl.py --bench-update` times it. The rollouts' prefill of new turns does too
-  (--sample-bf16 auto), so the sampler is the policy up to bf16 rounding; the loss never reads the
-  sampler's log-probs (the update recomputes them), and decoding stays fp32, where bf16 was slower.
+  runs in bf16: `python rl.py --bench-update` times it. The rollouts sample in exact fp32 by default;
+  --sample-bf16 on prefills their new turns under bf16 autocast (the sampler is then the policy up to
+  bf16 rounding; the loss never reads the sampler's log-probs, the update recomputes them).
+- A rollout cut off at --max-turns or --max-context scores 0, as in τ² (envs.Env.reward): the database
+  check alone paid an agent that made its write and then re-asked until the cap (README).
 - Learning rates are ours, for LoRA; full fine-tuning would use smaller ones.
 """
 import argparse
@@ -129,9 +131,10 @@ def parse_args(argv=None):
                    "backward under bf16 autocast (weights, LoRA, AdamW and the log-softmax stay fp32); auto = on for a "
                    "CPU with native bf16 dot products (AVX512-BF16 or AMX), where it makes the update a quarter to a "
                    "third cheaper (README); off on GPU, whose weights are bf16 already")
-    p.add_argument("--sample-bf16", default="auto", choices=["auto", "on", "off"], help="prefill the rollouts' new "
+    p.add_argument("--sample-bf16", default="off", choices=["auto", "on", "off"], help="prefill the rollouts' new "
                    "turns under bf16 autocast (decoding stays fp32; held-out evals stay exact fp32); auto = as "
-                   "--train-bf16 auto. The sampler is then the policy up to bf16 rounding, not exactly it")
+                   "--train-bf16 auto. The sampler is then the policy up to bf16 rounding, not exactly it; off by "
+                   "default: 1.08x in rollout.py's bench at 8-16 rows, no gain seen at a draw's 64 (README)")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank when starting from base")
     p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha when starting from base")
     p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps (preset)")

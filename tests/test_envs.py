@@ -40,6 +40,18 @@ def test_gold_replay_scores_one(task):
 
 
 @pytest.mark.parametrize("task", ONE_EACH, ids=lambda t: t.scenario)
+def test_a_solved_episode_cut_off_at_the_cap_scores_zero(task):
+    """τ²'s rule: the gold writes made and the outputs said still score 0 if the conversation did not end
+    itself (the turn cap, the context limit, an error); the user's stop, the agent's or a transfer ends it."""
+    env, said = replay(task, task.gold_actions), [f"Done: {', '.join(task.required_outputs)}."]
+    for stop in envs.ENDED:
+        assert env.reward(said, stop_reason=stop) == 1.0 and env.diff() == ""
+    for stop in ("max_turns", "context_limit", "error"):
+        assert env.reward(said, stop_reason=stop) == 0.0
+        assert env.diff() == f"ended by {stop}: τ² scores a conversation cut short 0"
+
+
+@pytest.mark.parametrize("task", ONE_EACH, ids=lambda t: t.scenario)
 def test_doing_nothing(task):
     env = Env(task)
     if gold_writes(task):                            # the DB must change: saying things is not enough
