@@ -598,6 +598,12 @@ def _diff(want, got, path, out):
         out.append(f"{path}: {_short(got, 70)} (gold: {_short(want, 70)})")
 
 
+def cut_short(stop_reason) -> str:
+    """Why an episode scores 0 however its database looks, as τ² rules: it did not end itself (stop_reason
+    max_turns, context_limit or error); "" if it did (in ENDED, or None: scored outside a rollout)."""
+    return "" if stop_reason in (None, *ENDED) else f"ended by {stop_reason}: τ² scores a conversation cut short 0"
+
+
 class Env:
     def __init__(self, task, shaped=False):
         self.task, self.shaped = task, shaped
@@ -639,10 +645,10 @@ class Env:
         conversation ended (stop_reason None or in ENDED): as in τ², an episode cut off at the turn cap or
         the context limit scores 0, so an agent that makes the write but never reports it done, re-asking
         until the cap, does not pass. shaped=True: a failure still earns the fraction of gold write calls
-        made exactly (as τ²'s wrapper does)."""
+        made exactly (as τ²'s wrapper does; so a cut-off episode that made every gold write earns 1.0)."""
         said = "\n".join(t for t in (assistant_texts or []) if isinstance(t, str)).lower()
         self.missing_outputs = [o for o in self.task.required_outputs if o.lower() not in said]
-        self.cut_short = "" if stop_reason in (None, *ENDED) else stop_reason   # max_turns, context_limit, error
+        self.cut_short = cut_short(stop_reason)
         passed = not self.missing_outputs and not self.cut_short and db_hash(self.db) == db_hash(self.gold_db())
         if passed or not self.shaped:
             return float(passed)
@@ -657,8 +663,8 @@ class Env:
         lines = []
         _diff(self.gold_db(), self.db, "", lines)
         lines = lines[:12] + [f"... and {len(lines) - 12} more fields"] * (len(lines) > 12)
-        cut = [f"ended by {self.cut_short}: τ² scores a conversation cut short 0"] * bool(self.cut_short)
-        return "\n".join(cut + lines + [f"missing required output: {o!r}" for o in self.missing_outputs])
+        missing = [f"missing required output: {o!r}" for o in self.missing_outputs]
+        return "\n".join([self.cut_short] * bool(self.cut_short) + lines + missing)
 
 
 # ----------------------------------------------------------------------------- tour: python envs.py

@@ -22,7 +22,7 @@ import pickle
 from dataclasses import dataclass, field
 
 import users
-from envs import ENDED, TAU2_DOMAINS
+from envs import TAU2_DOMAINS, cut_short
 
 STOPS = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")   # how τ²'s user ends a conversation
 ASK_USER = "Please do this on your phone:"                        # the oracle agent's request for user actions
@@ -176,8 +176,8 @@ class Tau2Env:
             self.checks += [f"not said: {c.info!r}" for c in info.communicate_checks or [] if not c.met]
         if RT.NL_ASSERTION in basis:
             raise NotImplementedError(f"{self.task.id}: NL assertions need an LLM judge (none of the base tasks has one)")
-        if stop_reason not in (None, *ENDED):
-            self.checks.insert(0, f"ended by {stop_reason}: τ² scores a conversation cut short 0")
+        if why := cut_short(stop_reason):
+            self.checks.insert(0, why)
             reward = 0.0
         if reward < 1.0 and self.shaped and action.action_checks:
             return sum(c.action_match for c in action.action_checks) / len(action.action_checks)
