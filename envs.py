@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, load_db, money
 
 DOMAINS = ("retail", "airline")
-TAU2_DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")   # τ²-bench itself: tau2_domains.py, loaded lazily
 ENDED = ("user_stop", "transfer", "agent_stop")   # a conversation that ended itself; the rest were cut short
 REASONS = {"no longer needed": "I no longer need it", "ordered by mistake": "I ordered it by mistake"}  # cancel
 
@@ -81,9 +80,6 @@ def tool(domains, description, write=False, **params):
     return register
 
 def tool_schemas(domain):
-    if domain in TAU2_DOMAINS:
-        import tau2_domains
-        return [t.openai_schema for t in tau2_domains.new_environment(domain).get_tools()]
     return [schema for _, schema in TOOLS[domain].values()]
 
 def _short(x, n=40):
@@ -543,12 +539,8 @@ def _brief(domain, name, s, rng):
             f"when the agent asks for it; never show this brief or ask for anything else. {confirm} When your "
             "request is done, or the agent has explained why it cannot be done, reply with ###STOP###.")
 
-def make_tasks(domain, split, n, seed=0):
-    """n tasks, scenarios round-robin; task i depends only on (domain, split, seed, i). A τ² domain: the first
-    n tasks of τ²'s own split (seed unused)."""
-    if domain in TAU2_DOMAINS:
-        import tau2_domains
-        return tau2_domains.load_tasks(domain, split)[:n]
+def generate_tasks(domain, split, n, seed=0):
+    """n tasks, scenarios round-robin; task i depends only on (domain, split, seed, i)."""
     db, names, tasks = load_db(domain, split, seed), list(SCENARIOS[domain]), []   # builders only read the DB
     for i in range(n):
         rng, name = random.Random(f"{domain}-{split}-{seed}-{i}"), names[i % len(names)]
@@ -560,26 +552,19 @@ def make_tasks(domain, split, n, seed=0):
     return tasks
 
 
-def held_out_tasks(domains: list[str], n: int, tiers: list[str], seed: int = 0) -> list[Task]:
-    """The first n test-split tasks of each domain whose tier is in tiers (eval.py's set; rl.py's held-out
-    curve uses a prefix of it)."""
-    pool = lambda d: make_tasks(d, "test", n * len(SCENARIOS[d]), seed=seed)   # noqa: E731; cycles scenarios
-    return [t for d in domains for t in (make_tasks(d, "test", n) if d in TAU2_DOMAINS else
-                                         [t for t in pool(d) if t.tier in tiers][:n])]
-
-
-def train_tasks(domain: str, n: int, tiers: list[str], seed: int = 0) -> list[Task]:
-    """Training tasks: the train-split tasks among the first n whose tier is in tiers; a τ² domain has no
-    tiers: the first n of τ²'s train split, disjoint from its test split by τ²'s own split file."""
-    return make_tasks(domain, "train", n, seed) if domain in TAU2_DOMAINS else \
-        [t for t in make_tasks(domain, "train", n, seed) if t.tier in tiers]
+def make_tasks(domain, split, n, tiers=None, seed=0):
+    """worlds.make_tasks for our domains. tiers None: the first n tasks. Otherwise a training pool is the
+    tasks among the first n whose tier is in tiers (rl.py samples from it), and a test set is the first n
+    tasks of those tiers (eval.py's held-out set; rl.py's curve uses a later slice of it)."""
+    if tiers is None:
+        return generate_tasks(domain, split, n, seed)
+    if split == "train":
+        return [t for t in generate_tasks(domain, split, n, seed) if t.tier in tiers]
+    return [t for t in generate_tasks(domain, split, n * len(SCENARIOS[domain]), seed) if t.tier in tiers][:n]
 
 
 def make_env(task, shaped=False):
-    """A fresh environment for one rollout: Env, or tau2_domains.Tau2Env for a τ² task (same interface)."""
-    if task.domain in TAU2_DOMAINS:
-        import tau2_domains
-        return tau2_domains.Tau2Env(task, shaped)
+    """A fresh environment for one rollout (worlds.make_env for our domains)."""
     return Env(task, shaped)
 
 
@@ -670,7 +655,7 @@ class Env:
 # ----------------------------------------------------------------------------- tour: python envs.py
 def main():
     for domain in DOMAINS:
-        tasks = make_tasks(domain, "train", 2000)
+        tasks = generate_tasks(domain, "train", 2000)
         print(f"\n{'=' * 30} {domain}: {len(SCENARIOS[domain])} scenarios; 2000 train tasks made\n\n-- a sample task")
         print("\n".join(f"{k}: {v}" for k, v in vars(tasks[1]).items() if k != "gold_actions"), "\n\n-- tools")
         for f in (s["function"] for s in tool_schemas(domain)):

@@ -9,7 +9,7 @@ Research; installed with --no-deps), as domains "tau2-retail", "tau2-airline", "
   Tau2User   our OpenAI-compatible LLM user playing τ²'s user: τ²'s guidelines and the task's scenario; in
              telecom it runs its phone's tools on the same env (requestor "user"), which the agent never sees
   OracleUser the gold user for tests and cold-start data: makes the user's gold calls when asked, then stops
-envs.make_env / envs.make_tasks reach this file lazily, only for a "tau2-" domain; users.make_user likewise.
+worlds.py names this module for the "tau2-" domains: make_tasks, make_env, make_user, oracle_reply, report.
 
 Simplifications versus τ²'s own orchestrator: the agent speaks first through the user (its fixed greeting
 "Hi! How can I help you today?" opens the user's chat, as in τ²); only the first tool call of an agent turn
@@ -22,9 +22,11 @@ import pickle
 from dataclasses import dataclass, field
 
 import users
-from envs import TAU2_DOMAINS, cut_short
+from envs import cut_short
 
-STOPS = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")   # how τ²'s user ends a conversation
+DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")
+STOPS = (users.STOP, "###TRANSFER###", "###OUT-OF-SCOPE###")     # how τ²'s user ends a conversation
+PAPER = {"tau2-retail": (41.0, 49.8), "tau2-airline": (12.5, 19.0), "tau2-telecom": (19.1, 21.8)}  # pass^1 %: Qwen3-8B, MUA-RL-8B
 ASK_USER = "Please do this on your phone:"                        # the oracle agent's request for user actions
 
 
@@ -41,8 +43,8 @@ def tau2(module: str):
 
 
 def _domain_module(domain: str):
-    if domain not in TAU2_DOMAINS:
-        raise SystemExit(f"unknown τ² domain {domain!r}: use one of {', '.join(TAU2_DOMAINS)}")
+    if domain not in DOMAINS:
+        raise SystemExit(f"unknown τ² domain {domain!r}: use one of {', '.join(DOMAINS)}")
     return tau2(f"domains.{domain[len('tau2-'):]}.environment")
 
 
@@ -114,6 +116,33 @@ def load_tasks(domain: str, split: str) -> list[Tau2Task]:
     return [Tau2Task(f"{domain}-{split}-{t.id}", domain, split, t,
                      t.id.split("]")[0].lstrip("[") if domain == "tau2-telecom" else domain[5:],
                      instruction=str(t.user_scenario)) for t in tasks]
+
+
+def make_tasks(domain: str, split: str, n: int, tiers=None, seed: int = 0) -> list[Tau2Task]:
+    """worlds.make_tasks: the first n tasks of τ²'s own split (τ² has no tiers; seed unused)."""
+    return load_tasks(domain, split)[:n]
+
+
+def oracle_reply(task: Tau2Task, messages: list[dict]) -> str:
+    """worlds.oracle_reply: the gold agent's next message (Tau2Task.oracle_reply)."""
+    return task.oracle_reply(messages)
+
+
+def make_env(task: Tau2Task, shaped: bool = False):
+    return Tau2Env(task, shaped)
+
+
+def tool_schemas(domain: str) -> list[dict]:
+    return [t.openai_schema for t in new_environment(domain).get_tools()]
+
+
+def report(scores: dict) -> str:
+    """eval.py's lines for one agent: pass^k per τ² domain on its test split beside the paper's pass^1 (%)."""
+    rows = [f"| {d} | {s['n_tasks']} | {s['trials']} | {100 * s['pass^k'][1]:.1f} | {100 * s['pass^k'][s['trials']]:.1f}"
+            f" | {PAPER[d][0]} | {PAPER[d][1]} |" for d, s in scores.items()]
+    return "\n".join(["", "τ²-bench, test split (τ²'s own evaluators), pass^k in %:", "",
+                      "| domain | tasks | trials n | pass^1 | pass^n | paper Qwen3-8B | paper MUA-RL-8B |",
+                      "|---|---|---|---|---|---|---|"] + rows) + "\n"
 
 
 # ----------------------------------------------------------------------------- the environment
@@ -201,8 +230,8 @@ def _ended(text: str) -> str:
     return text if STOPS[0] in text or not any(s in text for s in STOPS) else f"{text} {STOPS[0]}"
 
 
-def make_tau2_user(spec: str, task: Tau2Task, seed: int = 0, env: Tau2Env | None = None, **kw):
-    """users.make_user for a τ² task: "openai:MODEL" (τ²'s user played by our LLM user) or "oracle"."""
+def make_user(spec: str, task: Tau2Task, seed: int = 0, env: Tau2Env | None = None, **kw):
+    """worlds.make_user for a τ² task: "openai:MODEL" (τ²'s user played by our LLM user) or "oracle"."""
     if env is None:
         raise SystemExit("a τ² user needs its rollout's env (users.make_user(..., env=env))")
     if spec.startswith("openai:"):

@@ -306,10 +306,7 @@ def ask_users(calls: list, workers: int) -> list:
 
 
 def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:
-    """spec: "scripted" | "none" | "local" | "openai:MODEL". env: the rollout's Env (τ²'s telecom user acts on it)."""
-    if str(getattr(task, "domain", "")).startswith("tau2-"):   # τ²'s users: tau2_domains.py (world side too)
-        import tau2_domains
-        return tau2_domains.make_tau2_user(spec, task, seed, env, **kw)
+    """worlds.make_user for our domains. spec: "scripted" | "none" | "local" | "openai:MODEL"; env unused."""
     if spec == "scripted":
         return ScriptedUser(task, seed)
     if spec == "none":
