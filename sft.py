@@ -47,16 +47,17 @@ import math
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from collections import Counter
 
 import torch
 
+import common
 import envs
 import rollout
 import users
+import worlds
 from kernels import backward_with_shared_prefix, shared_prefix_len
 from rollout import TextAgent
 
@@ -75,9 +76,8 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=rollout.DEFAULT_MODEL, help="HF id / local path, or 'smollm2' (bundled)")
-    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: NF4 base weights (bitsandbytes)")
+    p = common.Parser(description=__doc__.split("\n")[0])
+    common.add_model_args(p, model_default=rollout.DEFAULT_MODEL, sampler=False)
     p.add_argument("--out", default="runs/sft", help="everything this run writes goes here")
     p.add_argument("--smoke", action="store_true", help="tiny run (< 2 min on CPU) for tests")
     p.add_argument("--bench", action="store_true", help="time one training batch three ways (backward_batch), then exit")
@@ -87,9 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 20, gpu 167)")
     p.add_argument("--tiers", default=None, help="scenarios of these tiers only (preset: cpu easy, gpu all)")
     p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
-    p.add_argument("--user", default="scripted", help="user simulator: scripted | openai:MODEL | local | none")
+    common.add_user_args(p)
     p.add_argument("--max-turns", type=int, default=30, help="max agent turns per conversation")
-    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
     p.add_argument("--teacher", default=None, help="an OpenAI-compatible model as the agent instead of the oracle "
                                                    "(key from $OPENAI_API_KEY)")
     p.add_argument("--teacher-base-url", default=None, help="base URL of the teacher's server (default: OpenAI)")
@@ -115,12 +114,19 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end (preset)")
     p.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
     args = p.parse_args(argv)
-    preset = PRESETS["smoke" if args.smoke else "gpu" if rollout.DEVICE == "cuda" else "cpu"]
-    for k, v in preset.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+    common.fill_preset(args, PRESETS["smoke" if args.smoke else "gpu" if rollout.DEVICE == "cuda" else "cpu"])
+    common.check_args(args, at_least=dict(tasks_per_scenario=1, samples_per_task=1, max_turns=1, user_workers=1,
+                                          epochs=1, batch_size=1, micro_batch_size=1, max_len=2, max_steps=1,
+                                          lora_r=1, save_every=1, stop_after=1),
+                      finite=dict(lr=(0, True), warmup_ratio=(0, False), weight_decay=(0, False),
+                                  max_grad_norm=(0, True), lora_dropout=(0, False)))
     if args.batch_size % args.micro_batch_size:
-        p.error("--batch-size must be a multiple of --micro-batch-size")
+        common.fail("--batch-size", f"{args.batch_size} is not a multiple of --micro-batch-size {args.micro_batch_size}")
+    if args.warmup_ratio > 1 or args.lora_dropout >= 1:
+        common.fail("--warmup-ratio" if args.warmup_ratio > 1 else "--lora-dropout", "must be below 1")
+    if args.teacher is None and args.user in ("local", "none"):
+        common.fail("--user", f"{args.user} cannot answer the oracle agent's questions; use scripted (ours), oracle "
+                    "(τ²) or openai:MODEL")
     return args
 
 
@@ -200,8 +206,8 @@ class OracleAgent(TextAgent):
         return f"Please confirm: {request}{_describe(action, task)}. Yes or no?"
 
     def respond(self, task, messages: list[dict]) -> str:
-        if hasattr(task, "oracle_reply"):              # a τ² task: its gold calls, then its infos (tau2_domains.py)
-            return task.oracle_reply(messages)
+        if world_oracle := worlds.oracle_reply(task):   # a benchmark's own gold agent (τ², ACEBench)
+            return world_oracle(task, messages)
         writes = envs.WRITE_TOOLS[task.domain]
         agent = [m for m in messages if m["role"] == "assistant"]
         heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
@@ -290,16 +296,16 @@ def make_data(args, tokenizer) -> list[dict]:
     with open(os.path.join(args.out, "data.jsonl"), "w") as f:
         for domain in args.domains.split(","):
             n = args.tasks_per_scenario * (len(envs.SCENARIOS[domain]) if domain in envs.SCENARIOS else 1)  # τ²: first n
-            tasks = envs.train_tasks(domain, n, args.tiers.split(","), args.seed)
+            tasks = worlds.make_tasks(domain, "train", n, args.tiers.split(","), args.seed)
             trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
                                          user=args.user, max_turns=args.max_turns, seed=args.seed,
                                          max_context=max(args.max_len, 8192),   # τ²'s prompts alone are 5-8k tokens
                                          progress=True, user_workers=args.user_workers)
-            tools = envs.tool_schemas(domain)
+            tools = {t.id: worlds.make_env(t).tools for t in tasks}
             for t in trajs:
                 tried[f"{domain}/{t.scenario}"] += 1
                 if t.reward == 1.0:
-                    f.write(json.dumps(openai_record(t, tools)) + "\n")
+                    f.write(json.dumps(openai_record(t, tools[t.task_id])) + "\n")
                     kept.append({"task_id": t.task_id, "scenario": f"{domain}/{t.scenario}",
                                  "token_ids": t.token_ids, "loss_mask": t.loss_mask})
     per = {s: {"tried": n, "kept": sum(r["scenario"] == s for r in kept)} for s, n in sorted(tried.items())}
@@ -323,19 +329,6 @@ def make_data(args, tokenizer) -> list[dict]:
 
 # ----------------------------------------------------------------------------- SFT pieces
 
-def collate(rows: list[dict], max_len: int, pad_id: int):
-    """Right-pad a micro-batch. -> input_ids, attention_mask, loss_mask, each (B, T) long."""
-    T = min(max_len, max(len(r["token_ids"]) for r in rows))
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        n = min(T, len(r["token_ids"]))
-        ids[i, :n] = torch.tensor(r["token_ids"][:n])
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(r["loss_mask"][:n])
-    return ids, attn, mask
-
-
 def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
@@ -350,8 +343,8 @@ def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> floa
         P = min(shared_prefix_len([r["token_ids"] for r in rows], [r["loss_mask"] for r in rows]),
                 args.max_len - 1) if share else 0
         rest = [{"token_ids": r["token_ids"][P:], "loss_mask": r["loss_mask"][P:]} for r in rows]
-        parts = [tuple(t.to(dev) for t in collate(rest[i:i + mb], args.max_len - P, pad))
-                 for i in range(0, len(rest), mb)]
+        parts = [tuple(t.to(dev) for t in common.collate([(r["token_ids"], r["loss_mask"]) for r in rest[i:i + mb]],
+                                                          pad, args.max_len - P)) for i in range(0, len(rest), mb)]
         prefix = torch.tensor(rows[0]["token_ids"][:P], dtype=torch.long, device=dev)
         total += sum(backward_with_shared_prefix(model, prefix, parts, loss_of))
     return total
@@ -393,34 +386,19 @@ def batch_rows(rows, step: int, batch_size: int, seed: int) -> list[dict]:
     return [rows[j] for j in epoch_batches(rows, batch_size, seed, epoch)[i]]
 
 
-def save_checkpoint(out, model, opt, sched, step):
-    path = os.path.join(out, "checkpoints", f"step_{step:06d}")
-    model.save_pretrained(path)
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
-               os.path.join(path, "state.pt"))
-    for old in sorted(os.listdir(os.path.join(out, "checkpoints")))[:-2]:   # keep the last two
-        shutil.rmtree(os.path.join(out, "checkpoints", old), ignore_errors=True)
-
-
-def load_latest_checkpoint(out, model, opt, sched) -> int:
-    """Restore the newest checkpoint under out/checkpoints; -> the step to continue from (0 if none)."""
+def resume(out, model, opt, sched) -> tuple[int, list[dict]]:
+    """Restore the newest checkpoint that verifies (common.load_checkpoint) -> (step to continue from, metrics)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-    ckdir = os.path.join(out, "checkpoints")
-    done = sorted(d for d in os.listdir(ckdir) if os.path.exists(os.path.join(ckdir, d, "state.pt"))) \
-        if os.path.isdir(ckdir) else []
-    if not done:
-        return 0
-    path = os.path.join(ckdir, done[-1])
-    set_peft_model_state_dict(model, load_file(os.path.join(path, "adapter_model.safetensors")))
-    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    ckpt, state, progress = common.load_checkpoint(out)
+    if ckpt is None:
+        return 0, []
+    set_peft_model_state_dict(model, load_file(os.path.join(ckpt, "adapter", "adapter_model.safetensors")))
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    print(f"resumed from {path} (step {state['step']})")
-    return state["step"]
+    common.restore_rng(state)
+    print(f"resumed from {ckpt} (step {progress['step']})")
+    return progress["step"], progress["metrics"]
 
 
 def plot(metrics: list[dict], path: str):
@@ -448,11 +426,9 @@ def train(args, model, tokenizer, rows: list[dict]):
     total, per_epoch = total_steps(args, rows), len(epoch_batches(rows, args.batch_size, args.seed, 0))
     warmup = max(1, round(args.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, args.schedule))
-    start = load_latest_checkpoint(args.out, model, opt, sched)
+    start, metrics = resume(args.out, model, opt, sched)
     mpath = os.path.join(args.out, "metrics.jsonl")
-    metrics = [json.loads(l) for l in open(mpath)] if start and os.path.exists(mpath) else []
-    metrics = [m for m in metrics if m["step"] <= start]          # drop steps logged after the checkpoint
-    with open(mpath, "w") as f:
+    with open(mpath, "w") as f:                                   # rewritten: drops steps after the checkpoint
         f.writelines(json.dumps(m) + "\n" for m in metrics)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model.train()
@@ -478,7 +454,7 @@ def train(args, model, tokenizer, rows: list[dict]):
         bar.write(f"step {step + 1:4d}/{total} | loss {loss_sum:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
                   f"tokens {seen:6d} ({n_tok} trained) | {dt:5.1f} s | {seen / dt:6.0f} tok/s")
         if (step + 1) % args.save_every == 0 or step + 1 == total:
-            save_checkpoint(args.out, model, opt, sched, step + 1)
+            common.save_checkpoint(args.out, step + 1, model, opt, metrics, scheduler=sched)
         if args.stop_after is not None and step + 1 >= args.stop_after:
             print(f"stopping after step {step + 1} (--stop-after); rerun to resume")
             break
@@ -523,7 +499,7 @@ def main(argv=None):
     print(vars(args))
     os.makedirs(args.out, exist_ok=True)
     apath = os.path.join(args.out, "args.json")
-    if os.path.exists(os.path.join(args.out, "checkpoints")) and os.path.exists(apath):
+    if common.checkpoints(args.out) and os.path.exists(apath):
         before = {k: v for k, v in json.load(open(apath)).items() if k not in RESUME_FREE}
         now = {k: v for k, v in vars(args).items() if k not in RESUME_FREE}
         if before != now:
@@ -538,7 +514,7 @@ def main(argv=None):
 
     tpath = os.path.join(args.out, "tokens.jsonl")
     model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
-    if os.path.exists(os.path.join(args.out, "checkpoints")) and os.path.exists(tpath):
+    if common.checkpoints(args.out) and os.path.exists(tpath):
         rows = [json.loads(l) for l in open(tpath)]     # resuming: train on the same data
         print(f"data: reusing {len(rows)} conversations from {tpath}")
     else:

@@ -56,3 +56,28 @@ def llama_server(tmp_path_factory):
         server.kill()
         server.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The default model's (SmolLM2's) tokenizer: the chat format is real."""
+    import rollout
+    return rollout.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    """Random 2-layer Llama with SmolLM2's vocab. lm_head gets a bias on <|im_end|> so turns end after
+    ~4 tokens on average (a random model would otherwise almost never sample end-of-turn)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8192,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    head = torch.nn.Linear(32, len(tok), bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.zero_()
+    head.bias.data[2] = 9.5            # log(0.3 * 49152): p(<|im_end|>) ~ 0.25 per step
+    model.lm_head = head
+    return model

@@ -16,7 +16,8 @@ import torch
 import envs
 import rollout
 from kernels import sequence_logprobs
-from rollout import ChatFormat, ModelAgent, run_episodes
+from rollout import ChatFormat, run_episodes
+from sampler import ModelAgent
 from test_rollout import ScriptAgent
 from tiny_qwen3 import QWEN3_TOKENS, save_tiny_qwen3
 
@@ -174,7 +175,7 @@ def test_sft_rl_eval_run_on_tiny_qwen3_in_4bit_with_checkpointing(qwen3_dir, tmp
 
 
 def test_memory_check_runs_on_cpu_at_tiny_qwen3_shapes():
-    out = subprocess.run([sys.executable, "rl.py", "--memory-check"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "kernels/bench_update.py", "--memory-check"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("memory-check (cpu)"))
     print(line)
@@ -183,8 +184,8 @@ def test_memory_check_runs_on_cpu_at_tiny_qwen3_shapes():
 
 
 def test_memory_check_model_is_nf4_with_lora_on_every_decoder_projection():
-    import rl
-    model = rl.nf4_lora_model(rl.qwen3_shapes(tiny=True), "cpu")
+    from kernels.bench_update import nf4_lora_model, qwen3_shapes
+    model = nf4_lora_model(qwen3_shapes(tiny=True), "cpu")
     modules = dict(model.named_modules())
     nf4 = [n for n, m in modules.items() if type(m).__name__ == "Linear4bit"]     # peft keeps each as base_layer
     assert len(nf4) == 2 * 7 and all(modules[n].weight.dtype == torch.uint8 for n in nf4)   # 7 projections a layer

@@ -12,7 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl import batch_trajectories, group_advantages, grpo_loss, grpo_update, reference_policy
+from common import collate
+from rl import group_advantages, grpo_loss, grpo_update, reference_policy
+
+
+def batch_trajectories(trajs, pad_id):
+    return collate([(t.token_ids, t.loss_mask) for t in trajs], pad_id)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +100,7 @@ def test_negative_advantage_clips_low_side():
     assert loss.item() == pytest.approx(0.8) and st["clipped"] == 1   # min(-0.5, -0.8) = -0.8
 
 
-def test_batch_trajectories_masks_from_positions_not_pad_ids():
+def test_collate_masks_from_positions_not_pad_ids():
     eos = 2                                            # pad == eos: the trained end-of-turn token is id 2 too
     a = SimpleNamespace(token_ids=[5, 6, 7, eos], loss_mask=[0, 0, 1, 1])
     b = SimpleNamespace(token_ids=[5, eos], loss_mask=[0, 1])

@@ -1,0 +1,207 @@
+"""common.py: what the stages (sft.py, rl.py, rl_trl.py, eval.py) share, written once.
+
+  Parser, add_model_args, add_user_args   the flags every stage takes, one line per bad value (exit 2)
+  fill_preset, CPU_LIMITS                 presets: the CPU turn/token limits training and eval share
+  check_args                              bad input caught before any model loads
+  start_run                               threads, print and save the arguments, make --out
+  user_kwargs                             what run_episodes needs to build the chosen user simulator
+  collate                                 right-padded (B, T) ids / attention / loss-mask tensors
+  save_checkpoint, load_checkpoint        one checkpoint layout: the last two kept, the newest verified
+A stage imports this file, the world (worlds) and the loop (rollout); never another stage.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+
+import torch
+
+# The CPU presets' episode limits, shared so that RL trains on what eval measures: the easy tasks need
+# 5 agent turns and one correction after a "no" needs 2 more; 80 tokens hold the longest oracle message.
+CPU_LIMITS = dict(max_turns=7, max_new_tokens=80, max_context=3072)
+USERS = "scripted | none | local | oracle | openai:MODEL"
+TIERS = ("easy", "medium", "hard")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with an error as one line ("rl.py: --lr: ...") and exit status 2, as argparse exits."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def fail(flag: str, message: str):
+    """One line naming the flag, then exit 2 (argparse's status for bad input)."""
+    print(f"{os.path.basename(sys.argv[0]) or 'mua-rl'}: {flag}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def add_model_args(p, model_default=None, sampler=True):
+    """--model and --load-in-4bit; with sampler (a stage that samples from the model) --thinking, --kv-budget."""
+    p.add_argument("--model", default=model_default, help="HF model id or local path; default: the bundled "
+                   "SmolLM2-135M-Instruct (rollout.DEFAULT_MODEL)")
+    p.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes), LoRA on top (QLoRA)")
+    if not sampler:
+        return
+    p.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (off by default, as in the paper)")
+    p.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold; it decodes "
+                   "in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no limit)")
+
+
+def add_user_args(p, default="scripted"):
+    p.add_argument("--user", default=default, help=f"user simulator: {USERS} (none: the whole instruction up front)")
+    p.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
+                   "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
+    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
+
+
+def fill_preset(args, preset: dict):
+    """Every flag left at None takes the preset's value."""
+    for k, v in preset.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    return args
+
+
+def check_args(args, at_least=None, finite=None, domains=True, user=True):
+    """Exit 2 with one line on the first bad value, before any model loads or any file is written.
+    at_least: {flag name: minimum} for ints; finite: {flag name: (low, strict)} for floats (value > low if
+    strict, else >= low)."""
+    import worlds
+    for name, low in (at_least or {}).items():
+        v = getattr(args, name)
+        if v is not None and v < low:
+            fail(f"--{name.replace('_', '-')}", f"{v} is below {low}; use {low} or more")
+    for name, (low, strict) in (finite or {}).items():
+        v = getattr(args, name)
+        if v is not None and (not math.isfinite(v) or v < low or (strict and v == low)):
+            fail(f"--{name.replace('_', '-')}", f"{v} is not a finite number {'>' if strict else '>='} {low}")
+    if domains and getattr(args, "domains", None) is not None:
+        for d in args.domains.split(","):
+            if d not in worlds.DOMAINS:
+                fail("--domains", f"unknown domain {d!r}; use a comma list of {', '.join(worlds.DOMAINS)}")
+    if getattr(args, "tiers", None) is not None:
+        for t in args.tiers.split(","):
+            if t not in TIERS:
+                fail("--tiers", f"unknown tier {t!r}; use a comma list of {', '.join(TIERS)}")
+    if user and getattr(args, "user", None) is not None:
+        u = args.user
+        if u not in ("scripted", "none", "local", "oracle") and not (u.startswith("openai:") and len(u) > 7):
+            fail("--user", f"unknown user simulator {u!r}; use {USERS}")
+    for name in ("init", "adapter"):
+        v = getattr(args, name, None)
+        if v not in (None, "auto", "base") and not os.path.isfile(os.path.join(v, "adapter_config.json")):
+            fail(f"--{name}", f"{v} is not an adapter dir (no adapter_config.json); run `python sft.py` first"
+                 + (" or pass --init base" if name == "init" else ""))
+
+
+def start_run(args, out: str | None = None):
+    """The run's preamble: 2 torch threads on a CPU (a shared 2-core machine), the arguments printed and
+    saved as <out>/args.json."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    print(vars(args))
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=1)
+
+
+def user_kwargs(args, model=None, tokenizer=None) -> dict:
+    """run_episodes' user arguments: the server of an openai: user, the model of a local one, the pool size."""
+    kw = {"user_workers": args.user_workers}
+    if args.user.startswith("openai:"):
+        kw["base_url"] = args.user_base_url
+    if args.user == "local":
+        kw["model"], kw["tokenizer"] = model, tokenizer
+    return kw
+
+
+def collate(seqs, pad_id: int, max_len: int | None = None):
+    """seqs: (token_ids, loss_mask) pairs -> input_ids, attention_mask, loss_mask, each (B, T) long, right-padded
+    and cut at max_len. Masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which
+    the policy samples and is trained on."""
+    T = max(len(ids) for ids, _ in seqs)
+    T = min(T, max_len) if max_len else T
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (tok, m) in enumerate(seqs):
+        n = min(T, len(tok))
+        ids[i, :n] = torch.tensor(tok[:n])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(m[:n])
+    return ids, attn, mask
+
+
+# ----------------------------------------------------------------------------- checkpoints
+# <out>/ckpt-NNNNNN/ = the state after NNNNNN optimizer steps: adapter/ (the trained LoRA), state.pt (optimizer,
+# scheduler, RNG states: tensors and plain types, loaded with weights_only=True), progress.json (step, metrics).
+# Written to ckpt-NNNNNN.tmp, flushed to disk, then renamed (atomic); the last two are kept, so a newest one that
+# a full disk or a cut copy damaged falls back to the one before.
+
+def _fsync_tree(path):
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def save_checkpoint(out, step, model, optimizer, metrics, scheduler=None, keep=2):
+    final = os.path.join(out, f"ckpt-{step:06d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(os.path.join(tmp, "adapter"), selected_adapters=["default"])   # not a frozen "ref"
+    rng = dict(python=random.getstate(), torch=torch.get_rng_state(),
+               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    torch.save(dict(optimizer=optimizer.state_dict(), rng=rng,
+                    scheduler=scheduler.state_dict() if scheduler else None), os.path.join(tmp, "state.pt"))
+    with open(os.path.join(tmp, "progress.json"), "w") as f:
+        json.dump(dict(step=step, metrics=metrics), f)
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    for old in checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoints(out) -> list[str]:
+    """Complete checkpoint dirs under out, oldest first."""
+    names = sorted(n for n in os.listdir(out) if n.startswith("ckpt-") and not n.endswith(".tmp")) \
+        if os.path.isdir(out) else []
+    return [os.path.join(out, n) for n in names]
+
+
+def _verified(ckpt):
+    """(state, progress) of a checkpoint that loads whole and whose step agrees with its metrics; else raises."""
+    from safetensors.torch import load_file
+    load_file(os.path.join(ckpt, "adapter", "adapter_model.safetensors"))
+    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
+    with open(os.path.join(ckpt, "progress.json")) as f:
+        progress = json.load(f)
+    steps = [m["step"] for m in progress["metrics"] if "step" in m]
+    if progress["step"] != int(os.path.basename(ckpt)[5:]) or (steps and steps[-1] != progress["step"]):
+        raise ValueError(f"step {progress['step']} disagrees with its name or its metrics")
+    return state, progress
+
+
+def load_checkpoint(out):
+    """The newest checkpoint that verifies -> (dir, state, progress), or (None, None, None) when none does.
+    A damaged one is reported in one line and skipped."""
+    for ckpt in reversed(checkpoints(out)):
+        try:
+            state, progress = _verified(ckpt)
+        except Exception as e:
+            print(f"checkpoint {ckpt} is damaged ({type(e).__name__}: {str(e)[:120]}); trying the one before")
+            continue
+        return ckpt, state, progress
+    return None, None, None
+
+
+def restore_rng(state):
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])

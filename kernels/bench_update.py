@@ -1,0 +1,143 @@
+"""The GRPO update's cost, measured: python kernels/bench_update.py [--memory-check] [--init ADAPTER].
+
+  (default)        seconds of one rl.grpo_update of --init's adapter on a default-sized group, timed four
+                   ways after an untimed warm-up, each against the first in the same run: fp32 with the
+                   reference pass (the baseline), fp32 without it (the first step's case), both under bf16
+                   autocast. AdamW at lr 0, so every way times the same update.
+  --memory-check   one paper-scale GRPO step: Qwen3-8B's shapes with random NF4 weights, LoRA r16, 8
+                   sequences of 8k tokens, activation checkpointing; the weights' size and the step's peak
+                   GPU memory (target <= 20 GiB on a 24 GiB card). Without a GPU the same step runs at tiny
+                   Qwen3 shapes on CPU: the code path, not the numbers.
+"""
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rl  # noqa: E402
+from rl import group_advantages, grpo_update, load_policy, native_bf16_cpu  # noqa: E402
+
+
+def bench_update(args, rows=4, prefix=1644, own=990):
+    """Seconds of one GRPO update (grpo_update, the preset's micro-batches) of --init's adapter, on random
+    tokens shaped like a default rollout group's: a shared system prompt of `prefix` tokens, then `own`
+    tokens a row, a third of them sampled. Timed four ways in this run, after one untimed warm-up: fp32
+    with the reference pass (the baseline), fp32 without it (the first step's case), and both under bf16
+    autocast; speedup = the baseline's seconds / these. AdamW at lr 0, so every way times the same update."""
+    import tempfile
+    from types import SimpleNamespace
+    import rollout
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(100, 40000, (prefix,), generator=g).tolist()
+    trajs = [SimpleNamespace(token_ids=shared + torch.randint(100, 40000, (own,), generator=g).tolist(),
+                             loss_mask=[0] * (prefix + 1) + (torch.rand(own - 1, generator=g) < 1 / 3).long().tolist())
+             for _ in range(rows)]
+    adv = torch.tensor([1.0, -1.0] * (rows // 2))
+    model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL)
+    with tempfile.TemporaryDirectory() as out:            # load_policy writes the frozen reference there
+        model, _ = load_policy(SimpleNamespace(**{**vars(args), "out": out}), model)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    print(f"bench-update: {rows} rows of {prefix} shared + {own} own tokens, micro-batch {args.micro_batch}, "
+          f"{torch.get_num_threads()} threads, {rollout.DEVICE}; native bf16: {native_bf16_cpu()}")
+    base = None
+    for name, bf16, skip in (("warm-up", "off", False), ("fp32, reference pass", "off", False),
+                             ("fp32, no reference pass", "off", True), ("bf16, reference pass", "on", False),
+                             ("bf16, no reference pass", "on", True)):
+        t0 = time.time()
+        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(args), "train_bf16": bf16}), tok.pad_token_id,
+                    ref_is_policy=skip)
+        dt = time.time() - t0
+        if name != "warm-up":
+            base = base or dt
+            print(f"{name:>24}: {dt:6.1f} s  {base / dt:.2f}x", flush=True)
+
+
+# ---------------------------------------------------------------- paper-scale memory check
+
+def qwen3_shapes(tiny: bool = False):
+    """Qwen3-8B's config (random weights are all a memory check needs), or the same architecture at toy size."""
+    from transformers import Qwen3Config
+    if tiny:
+        return Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+
+
+def nf4_lora_model(config, device):
+    """Random weights of `config` with every decoder Linear in bitsandbytes NF4 (quantized as it moves to
+    `device`), embeddings and lm_head in the compute dtype, LoRA r16 on all linear projections."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+    import rollout
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)      # on CPU, random weights
+
+    def to_nf4(module):
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.Linear):
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=dtype, quant_type="nf4")
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                q.bias = child.bias
+                setattr(module, name, q)
+            else:
+                to_nf4(child)
+    to_nf4(model.model.layers)
+    return rollout.add_lora(model.to(device), r=16, alpha=32)
+
+
+def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
+    """One GRPO step at paper scale: Qwen3-8B shapes with random weights, NF4 + LoRA r16, n_seq sequences
+    of seq_len tokens (loss on the second half), activation checkpointing, micro-batch 1. Prints the
+    weights' size and the step's peak memory (GPU: torch's allocator; CPU: the process's peak RSS).
+    On CPU main() runs it at tiny Qwen3 shapes: the same code path, numbers that say nothing about 8B."""
+    import resource
+    from types import SimpleNamespace
+    from kernels.attention import kv_bytes_per_token
+    config = config or qwen3_shapes()
+    model = nf4_lora_model(config, device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    cuda = device == "cuda"
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else \
+        sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
+    torch.cuda.reset_peak_memory_stats() if cuda else None
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(n_seq):     # system/user tokens then sampled tokens: loss on the second half
+        ids = torch.randint(0, config.vocab_size, (seq_len,), generator=g).tolist()
+        trajs.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)))
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)), n_seq)
+    args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
+                           grad_checkpointing="on", loss_agg="token-mean", train_bf16="off")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    t0 = time.time()
+    st = grpo_update(model, opt, trajs, adv, args, pad_id=0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    kv = kv_bytes_per_token(config, model.get_input_embeddings().weight.dtype)
+    print(f"memory-check ({device}): {config.num_hidden_layers} layers x {config.hidden_size} NF4+LoRA, {n_seq}x{seq_len} "
+          f"tokens, one GRPO step: weights {weights_gib:.2f} GiB, peak {peak:.2f} GiB "
+          f"({'allocated' if cuda else 'process RSS'}; target <= 20 at Qwen3-8B shapes), {time.time() - t0:.0f} s, "
+          f"{st['tokens']} trained tokens, grad norm {st['grad_norm']:.3f}, KV {kv / 1024:.1f} KiB/token"
+          + (f" -> {'OK' if peak <= 20 else 'OVER'}" if cuda else ""))
+    return dict(weights_gib=weights_gib, peak_gib=peak, grad_norm=st["grad_norm"], tokens=st["tokens"], kv_bytes=kv)
+
+
+def main():
+    argv = sys.argv[1:]
+    if "--memory-check" in argv:
+        if torch.cuda.is_available():
+            return memory_check()
+        print("--memory-check: no GPU here, so the same step runs at tiny Qwen3 shapes on CPU (the code path, not the numbers)")
+        return memory_check(qwen3_shapes(tiny=True), seq_len=256, n_seq=2, device="cpu")
+    args = rl.parse_args(argv)
+    torch.set_num_threads(min(2, os.cpu_count() or 1)) if not torch.cuda.is_available() else None
+    return bench_update(args)
+
+
+if __name__ == "__main__":
+    main()

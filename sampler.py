@@ -1,0 +1,327 @@
+"""sampler.py: the policy as a sampler, token ids in, token ids and their log-probs out.
+
+Read sample_turn first: the whole idea in a dozen lines, an HF forward pass with a KV cache, one token at a
+time, each sampled from softmax(logits / T) (T = 0: greedy) with its log-prob kept for the GRPO ratio.
+PlainAgent runs it for each waiting conversation, one after another. ModelAgent is the same sampler made
+fast for many conversations at once, and tested equal to sample_turn (tests/test_sampler.py): greedy turns
+token for token, and sampled log-probs equal to a teacher-forced recomputation. What it adds:
+  - every conversation's keys/values are kept between rounds, so a round prefills only the new turn;
+  - the prefix all conversations share (the system prompt) is prefilled once, stored once and attended
+    once for all rows (kernels/attention.py);
+  - rows decode together in waves that fit a KV budget, so 256 rollouts fit one GPU;
+  - on CPU the LoRA delta is merged into the weights while sampling (one matmul per projection).
+
+Run
+  python sampler.py                 # a few episodes with the default model and the scripted user, printed
+  python sampler.py --bench         # sampled tokens/s: ModelAgent vs PlainAgent, in the same run
+  python sampler.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
+"""
+import time
+from collections import Counter
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+import common
+import worlds
+from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
+                               prefill_together, token_slice, weight_major_linear)
+from rollout import DEFAULT_MODEL, ChatFormat, load_adapter, load_model, run_episodes
+
+
+# ----------------------------------------------------------------------------- the plain sampler
+
+@torch.no_grad()
+def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, end_id: int, generator=None):
+    """One agent turn: feed the conversation so far, then sample one token at a time until end_id or
+    max_new_tokens. -> (new token ids, the log-prob of each under softmax(logits / T))."""
+    cache = DynamicCache()
+    x = torch.tensor([ids], device=model.device)                    # (1, n): the whole prompt, once
+    new, logprobs = [], []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=x, past_key_values=cache).logits[0, -1].float()   # (V,) for the last position
+        logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+        tok = logits.argmax() if temperature == 0 else torch.multinomial(logp.exp(), 1, generator=generator)[0]
+        new.append(int(tok))
+        logprobs.append(float(logp[tok]))
+        if new[-1] == end_id:
+            break
+        x = tok.view(1, 1)                                           # next step feeds one token; the cache has the rest
+    return new, logprobs
+
+
+class PlainAgent:
+    """run_episodes' agent interface over sample_turn: act(batch) advances each waiting conversation by one
+    turn, one conversation after another. batch: [(task, messages, token_ids)] -> [(new ids, log-probs)]."""
+
+    def __init__(self, model, tokenizer, temperature=1.0, max_new_tokens=256, thinking=False, generator=None):
+        self.model, self.fmt, self.generator = model, ChatFormat(tokenizer, thinking), generator
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+
+    def act(self, batch):
+        was_training = self.model.training
+        self.model.eval()
+        outs = [sample_turn(self.model, ids, self.max_new_tokens, self.temperature, self.fmt.end_of_turn_id,
+                            self.generator) for _, _, ids in batch]
+        self.model.train(was_training)
+        return outs
+
+
+# ----------------------------------------------------------------------------- the fast sampler
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
+
+
+class ModelAgent:
+    """The policy as a sampler: act() advances every waiting conversation by one turn, sampling from
+    softmax(logits / T) (no top-k/top-p; T = 0: greedy) and keeping each sampled token's log-prob.
+
+    KV reuse, so a round costs the new tokens only: each conversation's keys/values are remembered
+    between rounds (the next round prefills just the user/tool turn appended since), and the prefix all
+    conversations share (the ~1.8k-token system prompt) is prefilled once, stored once and, while
+    decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
+    weights change (an optimizer step bumps the parameters' _version counters). On CPU the LoRA delta is
+    merged into the weights for each call (kernels.attention.lora_merged; merge_lora=False: not).
+
+    Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
+    kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
+    KV_RESERVE for the training step, on CPU no limit). When the rows' keys/values would not fit a
+    second time beside the wave (their copies for the next round), they are not kept: only the shared
+    prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
+    either way (tests/test_rollout.py)."""
+
+    KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak (README budget)
+
+    def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
+                 kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True):
+        self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
+        self.merge_lora = merge_lora               # sample with the LoRA delta in the weights (lora_merged)
+        self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
+        self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
+        self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
+
+    def budget_tokens(self) -> int | None:
+        """How many tokens of keys/values the agent may hold at once (None: no limit)."""
+        if self.kv_budget is None and self.model.device.type == "cuda":     # once, before any cache exists
+            free = torch.cuda.mem_get_info(self.model.device)[0] + torch.cuda.memory_reserved() \
+                - torch.cuda.memory_allocated()                              # + what torch holds unused
+            self.kv_budget = max(0, free - self.KV_RESERVE)
+        if self.kv_budget is None:
+            return None
+        return self.kv_budget // kv_bytes_per_token(self.model.config, self.model.get_input_embeddings().weight.dtype)
+
+    def _cached(self, ids: torch.Tensor) -> tuple[int, list]:
+        """(c, kv): the longest prefix of ids the memo holds, leaving >= 1 token to feed, and its KV."""
+        c, kv = max(((min(_common_prefix(m, ids), len(ids) - 1), kv) for m, kv in self.memo),
+                    key=lambda x: x[0], default=(0, None))
+        return c, [token_slice(pieces, 0, c) for pieces in kv] if c else None
+
+    def _prefill(self, ids: torch.Tensor):
+        """Feed ids after their cached prefix (batch 1: no padding). -> (per layer (k, v) of all ids
+        as one piece, each (1, kv_heads, n, hd); logits of the last token (V,))."""
+        c, kv = self._cached(ids)
+        cache = Cache(layers=[KVBuffer(1, pieces[0][0], c, len(ids) - c).put(0, pieces) for pieces in kv]) if c else None
+        out = self.model(input_ids=ids[None, c:].to(self.model.device), logits_to_keep=1,
+                         past_key_values=cache)                          # positions continue from c
+        return [(layer.keys, layer.values) for layer in out.past_key_values.layers], out.logits[0, -1]
+
+    @staticmethod
+    def _groups(batch, rows) -> list[tuple[list[int], int]]:
+        """Rows grouped by the system prompt they continue (a domain's policy and tools) -> [(row indices,
+        P)]: P is the prefix all of the group's rows share, at most each one's length - 1; 0 for a row alone."""
+        groups = {}
+        for i, (_, messages, _) in enumerate(batch):
+            groups.setdefault(messages[0]["content"] if messages else None, []).append(i)
+        return [(idx, 0 if len(idx) == 1 else min(min(_common_prefix(rows[idx[0]], rows[i]) for i in idx),
+                                                   min(len(rows[i]) for i in idx) - 1)) for idx in groups.values()]
+
+    @torch.no_grad()
+    def act(self, batch):
+        was_training = self.model.training
+        self.model.eval()
+        version = sum(p._version for p in self.model.parameters())   # lora_merged writes through .data: no bump
+        if version != self.version:
+            self.memo, self.version = [], version
+        with lora_merged(self.model, self.merge_lora):
+            outs = self._act(batch, [torch.tensor(ids) for _, _, ids in batch])
+        self.model.train(was_training)
+        return outs
+
+    def _act(self, batch, rows):
+        groups = self._groups(batch, rows)
+        gid, P = [0] * len(rows), [0] * len(rows)
+        for g, (idx, p) in enumerate(groups):
+            for i in idx:
+                gid[i], P[i] = g, p
+        self.waves, self.keeps_rows = plan_waves([len(r) - p for r, p in zip(rows, P)], sum(p for _, p in groups),
+                                                 self.max_new_tokens, self.budget_tokens())
+        if not self.keeps_rows:                       # keep only the shared prefixes' entries
+            self.memo = [m for m in self.memo if len(m[0]) <= max(P)]
+        for idx, p in groups:                         # each group's shared prefix: prefilled once, remembered
+            if p and any(self._cached(rows[i])[0] < p for i in idx):
+                self.memo.append((rows[idx[0]][:p], [[kv] for kv in self._prefill(rows[idx[0]][:p])[0]]))
+        outs, memo = [None] * len(rows), []
+        for wave in self.waves:
+            part = lambda xs: [xs[i] for i in wave]   # noqa: E731
+            cache, prefixes, logits = self._prefill_wave(part(rows), part(P), part(gid))
+            if self.keeps_rows:                       # (one wave) every row's remembered keys/values are in `cache`
+                self.memo = []
+            done, kept = self._sample(part(rows), part(P), part(gid), cache, prefixes, logits, remember=self.keeps_rows)
+            for i, out in zip(wave, done):
+                outs[i] = out
+            memo += kept
+        if self.keeps_rows:
+            self.memo = memo
+        return outs
+
+    def _prefill_wave(self, rows: list[torch.Tensor], P: list[int], gid: list[int]):
+        """Prefill each row after what the memo holds, straight into a decode cache. Row i continues the
+        shared prefix of its group gid[i], P[i] tokens, whose keys/values are kept once per group
+        (1, kv_heads, P, hd) per layer; its own part (n_i - P[i] tokens) sits left-padded in a
+        (B, L + room) buffer. -> (cache, {group: per-layer prefix (k, v), or None}, last-token logits (B, V)).
+        The rows of a group that continue its cached prefix are prefilled together, a batch of new turns
+        per forward (kernels.attention.prefill_together); others (a row alone) one at a time."""
+        B, L, room = len(rows), max(len(r) - p for r, p in zip(rows, P)), self.max_new_tokens
+        cached = [self._cached(r) for r in rows]
+        cache, prefixes, logits = None, {}, [None] * B
+
+        def put(i, layers):                           # row i's own keys/values into the decode buffer
+            nonlocal cache
+            cache = cache or Cache(layers=[KVBuffer(B, pieces[0][0], L, room) for pieces in layers])
+            for layer, pieces in zip(cache.layers, layers):
+                layer.put(i, pieces)
+        for g in dict.fromkeys(gid):
+            idx, p = [i for i in range(B) if gid[i] == g], P[gid.index(g)]
+            if p and all(cached[i][0] >= p for i in idx):     # the usual case: a cached shared prefix
+                prefixes[g] = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, p)))
+                               for pieces in cached[idx[0]][1]]
+                own, last = prefill_together(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
+                                             prefixes[g], pad=self.fmt.end_of_turn_id)
+                for i, layers, lg in zip(idx, own, last):
+                    put(i, layers)
+                    logits[i] = lg
+                continue
+            for i in idx:
+                kv, logits[i] = self._prefill(rows[i])
+                if p and g not in prefixes:           # a copy, so this row's full keys/values can go
+                    prefixes[g] = [(k[:, :, :p].clone(), v[:, :, :p].clone()) for k, v in kv]
+                put(i, [[(k[:, :, p:], v[:, :, p:])] for k, v in kv])
+        return cache, {g: prefixes.get(g) for g in gid}, torch.stack(logits).float()
+
+    def _sample(self, rows, P, gid, cache, prefixes, logits, remember: bool):
+        """Decode all rows together until each samples end-of-turn or max_new_tokens. Row i's own part sits
+        left-padded in `cache` (the attention mask hides the padding) and it attends its group's shared
+        prefix, prefixes[gid[i]] (None: none); positions count the row's own tokens. -> ([(new ids,
+        log-probs)] per row, if remember, memo entries: each row's ids + sampled tokens but the last, with
+        their keys/values)."""
+        eot, T, dev = self.fmt.end_of_turn_id, self.temperature, self.model.device
+        n, B, room = [len(r) for r in rows], len(rows), self.max_new_tokens
+        L = max(a - p for a, p in zip(n, P))
+        own_len = torch.tensor([a - p for a, p in zip(n, P)])
+        attn = (torch.arange(L + room)[None] >= L - own_len[:, None]).long().to(dev)   # (B, L + room)
+        attn[:, L:] = 0                                                     # opened as tokens arrive
+        live, group = torch.arange(B), torch.tensor(gid)                    # rows still decoding, their groups
+        new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
+        with attention_implementation(self.model, "shared_prefix"), weight_major_linear():
+            for s in range(room):
+                logp = torch.log_softmax(logits / (T or 1.0), -1)               # (b, V)
+                tok = logits.argmax(-1) if T == 0 else torch.multinomial(logp.exp(), 1)[:, 0]
+                lp = logp.gather(-1, tok[:, None])[:, 0]
+                for i, t, p in zip(live.tolist(), tok.tolist(), lp.tolist()):
+                    new[i].append(t)
+                    lps[i].append(p)
+                done = ((tok == eot) | (s == room - 1)).cpu()
+                for j in done.nonzero()[:, 0].tolist() if remember else []:   # its KV: row + sampled tokens but the last
+                    i = int(live[j])
+                    own = slice(L - int(own_len[i]), L + s)
+                    memo[i] = (torch.cat([rows[i], torch.tensor(new[i][:-1], dtype=torch.long)]),
+                               [([shared] if shared else []) + [(layer.k[j:j + 1, :, own].clone(),
+                                                                 layer.v[j:j + 1, :, own].clone())]
+                                for shared, layer in zip(prefixes[gid[i]] or [None] * len(cache.layers), cache.layers)])
+                if done.all():
+                    break
+                if done.any():
+                    keep = (~done).nonzero()[:, 0]
+                    live, group, tok, attn = live[keep], group[keep], tok[keep.to(dev)], attn[keep.to(dev)]
+                    for layer in cache.layers:
+                        layer.select(keep.to(dev))
+                attn[:, L + s] = 1
+                shared = [((group == g).nonzero()[:, 0].to(dev), prefixes[g]) for g in group.unique().tolist()]
+                logits = self.model(input_ids=tok[:, None], attention_mask=attn[:, :L + s + 1], past_key_values=cache,
+                                    position_ids=torch.tensor([[n[i] + s] for i in live.tolist()], device=dev),
+                                    shared_prefix=shared).logits[:, -1].float()
+        return list(zip(new, lps)), memo if remember else []
+
+
+# ----------------------------------------------------------------------------- tour and bench
+
+def bench(model, tok, args):
+    """Sampled tokens/s in one run, same tasks and settings: PlainAgent (one conversation at a time, the whole
+    conversation fed every turn), ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent."""
+    tasks = worlds.make_tasks("retail", "train", 16, seed=args.seed)
+    kw = dict(max_turns=args.max_turns, progress=False)
+    agents = {"plain": PlainAgent(model, tok, 1.0, args.max_new_tokens),
+              "unmerged": ModelAgent(model, tok, 1.0, args.max_new_tokens, merge_lora=False),
+              "fast": ModelAgent(model, tok, 1.0, args.max_new_tokens)}
+    if not args.adapter:
+        del agents["unmerged"]
+    run_episodes(agents["fast"], tok, tasks[:1], seed=args.seed, **kw)   # untimed warm-up: first-call overheads
+    print(f"bench: {args.max_turns} turns x <= {args.max_new_tokens} new tokens per conversation, "
+          f"{torch.get_num_threads()} threads, {model.device}\n{'convs':>5} {'agent':>9} {'tokens':>7} {'seconds':>8} "
+          f"{'tok/s':>7} {'speedup':>7}")
+    for n in (8, 16):
+        rates = {}
+        for name, agent in agents.items():
+            torch.manual_seed(args.seed)
+            t0 = time.time()
+            trajs = run_episodes(agent, tok, tasks[:n], seed=args.seed, **kw)
+            dt, toks = time.time() - t0, sum(sum(t.loss_mask) for t in trajs)
+            rates[name] = toks / dt
+            print(f"{n:>5} {name:>9} {toks:>7} {dt:>8.1f} {rates[name]:>7.1f} {rates[name] / rates['plain']:>6.2f}x",
+                  flush=True)
+
+
+def main():
+    ap = common.Parser(description="Run a few MUA-RL rollouts and print them, or time the samplers.")
+    common.add_model_args(ap, model_default=DEFAULT_MODEL)
+    common.add_user_args(ap)
+    ap.add_argument("--adapter", default=None, help="LoRA adapter dir to load (e.g. runs/rl/adapter)")
+    ap.add_argument("--domain", default="retail", help="a domain of worlds.py (retail, airline, tau2-..., ...)")
+    ap.add_argument("--split", default="train", help="train | test")
+    ap.add_argument("--tasks", type=int, default=4, help="number of tasks")
+    ap.add_argument("--group-size", type=int, default=1, help="rollouts per task")
+    ap.add_argument("--max-turns", type=int, default=6, help="max agent turns per episode")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="max new tokens per agent turn")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
+    ap.add_argument("--bench", action="store_true", help="tokens/s of the plain and the fast sampler at 8 and 16 "
+                    "conversations (try --max-turns 2 --max-new-tokens 48 on CPU); with --adapter also LoRA unmerged")
+    args = ap.parse_args()
+    args.domains = args.domain
+    common.check_args(args, at_least=dict(tasks=1, group_size=1, max_turns=1, max_new_tokens=1, user_workers=1),
+                      finite=dict(temperature=(0, False)))
+    common.start_run(args)
+    model, tok = load_model(args.model, args.load_in_4bit)
+    model = load_adapter(model, args.adapter) if args.adapter else model
+    if args.bench:
+        return bench(model, tok, args)
+    torch.manual_seed(args.seed)
+    tasks = worlds.make_tasks(args.domain, args.split, args.tasks, seed=args.seed)
+    agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens, int(args.kv_budget * 2**30) or None,
+                       args.thinking)
+    t0 = time.time()
+    trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed,
+                         **common.user_kwargs(args, model, tok))
+    for t in trajs:
+        print(t.show() + "\n")
+    reasons = dict(Counter(t.stop_reason for t in trajs))
+    print(f"{len(trajs)} rollouts in {time.time() - t0:.0f} s | mean reward "
+          f"{sum(t.reward for t in trajs) / len(trajs):.2f} | stop reasons {reasons} | sampled tokens "
+          f"{sum(sum(t.loss_mask) for t in trajs)} | total tokens {sum(len(t.token_ids) for t in trajs)}")
+
+
+if __name__ == "__main__":
+    main()

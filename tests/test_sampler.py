@@ -1,0 +1,76 @@
+"""The plain sampler (sampler.sample_turn / PlainAgent) is the reference; the fast one (ModelAgent: KV kept
+between rounds, the shared system prompt once, waves, LoRA merged while sampling) must equal it.
+
+Greedy: the same conversations token for token through run_episodes, with a LoRA adapter on, over several
+rounds (so the fast path reuses its caches), in one batch and in waves. Sampled: every stored log-prob of
+either sampler equals a teacher-forced recomputation of the policy on the final token ids."""
+import pytest
+import torch
+
+import envs
+from rollout import run_episodes
+from sampler import ModelAgent, PlainAgent, sample_turn
+
+
+@pytest.fixture(scope="module")
+def tiny_lora(tiny):
+    """The tiny random model with a LoRA adapter whose B is non-zero: the merged-weights path matters."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(3)
+    model = get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+def tasks():
+    return [t for d in envs.DOMAINS for t in envs.make_tasks(d, "train", 3)]
+
+
+def test_sample_turn_greedy_is_argmax_of_a_full_forward(tiny, tok):
+    ids = tok("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    new, lps = sample_turn(tiny, ids, max_new_tokens=6, temperature=0.0, end_id=2)
+    seq = list(ids)
+    for t in new:                                     # no cache: the whole sequence each step
+        with torch.no_grad():
+            assert t == int(tiny(torch.tensor([seq])).logits[0, -1].argmax())
+        seq.append(t)
+    assert len(new) == len(lps) and (new[-1] == 2 or len(new) == 6)
+
+
+@pytest.mark.parametrize("waves", [False, True])
+def test_fast_sampler_equals_the_plain_one_greedy(tiny_lora, tok, waves):
+    """Token for token, message for message: the plain reference and the optimised sampler, greedy, on the same
+    tasks and users over up to 4 agent turns; with waves, a KV budget of a few rows' worth forces them."""
+    from kernels.attention import kv_bytes_per_token
+    kv_budget = 5000 * kv_bytes_per_token(tiny_lora.config, torch.float32) if waves else None
+    runs = {}
+    for name, agent in (("plain", PlainAgent(tiny_lora, tok, temperature=0.0, max_new_tokens=8)),
+                        ("fast", ModelAgent(tiny_lora, tok, temperature=0.0, max_new_tokens=8, kv_budget=kv_budget))):
+        runs[name] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=4, progress=False, seed=1)
+    assert sum(t.turns for t in runs["plain"]) > len(runs["plain"])      # several rounds: caches were reused
+    for a, b in zip(runs["plain"], runs["fast"]):
+        assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+@pytest.mark.parametrize("make", [lambda m, tok: PlainAgent(m, tok, temperature=1.3, max_new_tokens=6,
+                                                             generator=torch.Generator().manual_seed(0)),
+                                  lambda m, tok: ModelAgent(m, tok, temperature=1.3, max_new_tokens=6)],
+                         ids=["plain", "fast"])
+def test_sampled_logprobs_equal_a_teacher_forced_recomputation(tiny_lora, tok, make):
+    torch.manual_seed(0)
+    trajs = run_episodes(make(tiny_lora, tok), tok, tasks()[:2], group_size=2, max_turns=3, progress=False, seed=2)
+    gaps = []
+    for t in trajs:
+        ids = torch.tensor(t.token_ids)
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_lora(ids[None]).logits[0, :-1].float() / 1.3, -1).gather(-1, ids[1:, None])[:, 0]
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)      # token j + 1 is predicted at position j
+        gaps.append((logp[mask] - torch.tensor(t.logprobs[1:])[mask]).abs())
+    gap = torch.cat(gaps)
+    print(f"max |sampled - teacher-forced| log-prob: {gap.max():.2e} over {gap.numel()} tokens")
+    assert gap.numel() > 10 and gap.max() < 1e-4
