@@ -37,6 +37,7 @@ import torch
 
 import common
 import rollout
+import sampler
 import worlds
 
 GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
@@ -322,11 +323,12 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
     run_episodes) until --tasks groups have reward variance or --max-draws batches ran. Domains alternate in
     a batch; each domain's system prompt is prefilled once for its rows. The task order has its own RNG, so
     a resumed run redraws the same tasks. A rollout whose user simulator or environment failed is left out
-    of its group: its 0 would be the infrastructure's, not the agent's. -> (drawn groups, kept groups)."""
+    of its group: its 0 would be the infrastructure's, not the agent's. -> (drawn groups, kept groups, the
+    number of rollouts left out)."""
     rng, G = random.Random(args.seed * 1_000_003 + step), args.group_size
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]
-    drawn, varied = [], []
+    drawn, varied, lost = [], [], 0
     for d in range(args.max_draws):
         tasks = order[d * args.draw:(d + 1) * args.draw]
         trajs = rollout.run_episodes(agent, tok, tasks, group_size=G, user=args.user, max_turns=args.max_turns,
@@ -336,15 +338,16 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
         if len(failed) > args.max_sim_failures * len(trajs):
             raise SystemExit(f"step {step + 1}: {len(failed)} of {len(trajs)} rollouts lost their simulator, more "
                              f"than --max-sim-failures {args.max_sim_failures}: {failed[0].stats.get('error')}")
+        lost += len(failed)
         groups = [[t for t in trajs[i * G:(i + 1) * G] if not t.failed] for i in range(len(tasks))]
         drawn += groups
         varied += [g for g in groups if len({t.reward for t in g}) > 1]    # the rest carry no signal
         if len(varied) >= args.tasks:
             break
-    return drawn, varied[:args.tasks]
+    return drawn, varied[:args.tasks], lost
 
 
-def step_metrics(step, drawn, kept, st, seconds):
+def step_metrics(step, drawn, kept, lost, st, seconds):
     """The step's log line fields: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds."""
     rollouts = [t for g in drawn for t in g]
     rewards, sampled = torch.tensor([t.reward for t in rollouts]), sum(sum(t.loss_mask) for t in rollouts)
@@ -355,7 +358,7 @@ def step_metrics(step, drawn, kept, st, seconds):
                 grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
                 entropy=-sum(sum(t.logprobs) for t in rollouts) / max(sampled, 1), tokens=sampled,
                 train_tokens=st["tokens"] if st else 0, turns=sum(t.turns for t in rollouts) / len(rollouts),
-                sim_failures=sum(t.failed != "" for g in drawn for t in g), **seconds,
+                sim_failures=lost, **seconds,
                 tok_per_s=sampled / seconds["rollout_s"],
                 per_group=[dict(task=g[0].task_id, scenario=g[0].scenario, rewards=[t.reward for t in g], trained=any(g is k for k in kept))
                            for g in drawn if g])
@@ -373,7 +376,7 @@ def log_line(m, steps) -> str:
 def heldout_pass1(model, tok, tasks, args, user_kw) -> dict:
     """pass^1 of the greedy policy on the fixed held-out tasks (eval.py's settings), and its seconds."""
     t0 = time.time()
-    agent = rollout.ModelAgent(model, tok, temperature=0.0, max_new_tokens=args.max_new_tokens,
+    agent = sampler.ModelAgent(model, tok, temperature=0.0, max_new_tokens=args.max_new_tokens,
                                kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
     model.eval()
     trajs = [t for t in rollout.run_episodes(agent, tok, tasks, user=args.user, max_turns=args.max_turns,
@@ -395,7 +398,7 @@ def main(argv=None):
                                   weight_decay=args.weight_decay)
     start, metrics = resume(resumed, optimizer, args)
     pools, heldout = task_sets(args)
-    agent = rollout.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+    agent = sampler.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
     user_kw, pad_id = common.user_kwargs(args, model, tok), tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -410,14 +413,14 @@ def main(argv=None):
     for step in range(start, args.steps):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
-        drawn, kept = sample_groups(agent, tok, pools, step, args, user_kw)
+        drawn, kept, lost = sample_groups(agent, tok, pools, step, args, user_kw)
         t_roll, st = time.time() - t0, None
         if kept:                                  # 3. advantages within each kept group
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g))[0] for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, pad_id,
                              ref_is_policy=not optimizer.state)
-        m = step_metrics(step, drawn, kept, st, dict(rollout_s=t_roll, train_s=time.time() - t0 - t_roll))
+        m = step_metrics(step, drawn, kept, lost, st, dict(rollout_s=t_roll, train_s=time.time() - t0 - t_roll))
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args, user_kw))
         m["s_per_step"] = time.time() - t0

@@ -15,6 +15,7 @@ Simplifications vs the paper
   * a rollout whose user simulator or environment fails is marked `failed` and ends; the stages leave
     it out of training and of pass^k (its 0 would be the infrastructure's, not the agent's).
 """
+import contextlib
 import importlib.util
 import json
 import os
@@ -22,6 +23,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from functools import partial
@@ -101,15 +103,26 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0):
     (embeddings, lm_head, norms) to fp32, 2.3 GiB more for Qwen3-8B's embeddings and lm_head and an
     fp32 residual stream; bf16 compute needs neither (README, the 24 GB budget)."""
     from peft import LoraConfig, get_peft_model
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                                            target_modules="all-linear", task_type="CAUSAL_LM"))
+    with _peft_reads_a_deprecated_property():
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                target_modules="all-linear", task_type="CAUSAL_LM"))
 
 
 def load_adapter(model, path: str, trainable: bool = False):
     from peft import PeftModel
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
         raise SystemExit(f"no LoRA adapter at {path}: train one first (python sft.py) or fix the path")
-    return PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    with _peft_reads_a_deprecated_property():
+        return PeftModel.from_pretrained(model, path, is_trainable=trainable)
+
+
+@contextlib.contextmanager
+def _peft_reads_a_deprecated_property():
+    """peft 0.21's PeftModel() reads transformers' is_gradient_checkpointing, which warns (FutureWarning) on
+    every run; that one warning, around that one call, is not ours to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 # ----------------------------------------------------------------------------- chat format

@@ -300,7 +300,8 @@ def main():
     ap.add_argument("--bench", action="store_true", help="tokens/s of the plain and the fast sampler at 8 and 16 "
                     "conversations (try --max-turns 2 --max-new-tokens 48 on CPU); with --adapter also LoRA unmerged")
     args = ap.parse_args()
-    args.domains = args.domain
+    if args.domain not in worlds.DOMAINS:
+        common.fail("--domain", f"unknown domain {args.domain!r}; use one of {', '.join(worlds.DOMAINS)}")
     common.check_args(args, at_least=dict(tasks=1, group_size=1, max_turns=1, max_new_tokens=1, user_workers=1),
                       finite=dict(temperature=(0, False)))
     common.start_run(args)

@@ -1,6 +1,6 @@
 """Masked per-token log-probs (Triton + PyTorch reference) and training passes that run a shared prefix
 once (kernels/logprobs.py, used by sft.py and rl.py); shared-prefix decoding and LoRA merged while sampling
-(kernels/attention.py, used by rollout.ModelAgent)."""
+(kernels/attention.py, used by sampler.ModelAgent)."""
 import logging
 import os
 

@@ -1,6 +1,6 @@
 """Decoding many conversations at once: a KV cache that grows in place, attention that reads a prefix all
 rows share (the system prompt) once per step, and waves of rows that fit a KV budget. Pure PyTorch; used by
-rollout.ModelAgent.
+sampler.ModelAgent.
 
 KVBuffer       one layer's keys/values for a batch of rows, left-padded, with room reserved for the
                tokens still to come: transformers' DynamicLayer torch.cat's the whole cache at every

@@ -340,3 +340,26 @@ def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
     last = seen[1]["messages"][-1]
     assert last["role"] == "user" and last["content"].startswith("<tool_response>\nError")
     assert r["overall"]["pass^k"][1] == 0.0 and r["stop_reasons"] == {"max_turns": 1}
+
+
+def test_a_task_whose_user_simulator_failed_leaves_pass_k_and_is_counted(tasks, tok):
+    """An LLM user server that fails one conversation (a 401 is not retried): that task is left out of pass^k
+    and of the pairing, counted as a simulator failure, not scored 0; the other tasks score as usual."""
+    from chat_server import FakeServer
+    from rollout import TextAgent
+
+    class Reporter(TextAgent):                 # ends every conversation by its first message
+        def respond(self, task, messages):
+            return "I cannot help with that."
+    n = {"requests": 0}
+
+    def answer(body):
+        n["requests"] += 1
+        return "401" if n["requests"] == 2 else {"content": "Thanks. ###STOP###"}
+    with FakeServer(answer) as srv:
+        r = ev.evaluate(Reporter(tok), tok, tasks, trials=1, user="openai:m", progress=False, n_boot=20,
+                        base_url=srv.url, user_workers=1)
+    assert r["sim_failures"] == 1 and r["tasks_lost"] == 1
+    assert r["overall"]["n_tasks"] == len(tasks) - 1 and len(r["rewards"]) == len(tasks) - 1
+    assert tasks[1].id not in r["rewards"]          # the second opening asked is the one that failed
+    assert all(v == [0.0] for v in r["rewards"].values())    # refusing solves none: the lost task is not among them

@@ -97,3 +97,14 @@ def test_a_default_run_prints_no_false_error():
     assert "kernels-community" not in out.stderr and "get_kernel" not in out.stderr
     assert "mean reward" in out.stdout
 
+
+
+def test_wrapping_a_model_in_lora_prints_no_future_warning():
+    """peft reads a property transformers deprecates; rollout.add_lora / load_adapter keep that one warning out of
+    every run's log (and only that one)."""
+    code = ("import warnings, torch, rollout; from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,"
+            " num_attention_heads=2, num_key_value_heads=1))\n"
+            "rollout.add_lora(m, r=2, alpha=4)\nwarnings.warn('a later FutureWarning still shows', FutureWarning)\n")
+    err = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stderr
+    assert "is_gradient_checkpointing" not in err and "a later FutureWarning still shows" in err

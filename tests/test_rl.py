@@ -441,14 +441,21 @@ TRAINS = ["--steps", "4", "--max-turns", "2", "--domains", "retail", "--tiers", 
           "--max-draws", "3", "--group-size", "4", "--eval-every", "0", "--lr", "1e-2"]
 
 
-def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    """The 4-step run from the tiny model's adapter, never killed: what every resumed run must end as."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    r = run_rl(out, "--model", os.path.join(tiny_model_dir, "model"), *TRAINS, init=os.path.join(tiny_model_dir, "sft"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_dir, uninterrupted):
     """A run that takes optimizer steps before and after the kill, from an adapter (so the frozen
     reference is a second adapter that must come back too): the resumed run ends exactly where the
     uninterrupted one does, step by step (rewards, KL to the reference, gradient norms)."""
     steps = ["--model", os.path.join(tiny_model_dir, "model"), *TRAINS]
     init = os.path.join(tiny_model_dir, "sft")
-    ref = run_rl(tmp_path / "uninterrupted", *steps, init=init)   # the same run without a kill
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     out = tmp_path / "killed"
     p = run_rl(out, *steps, wait=False, init=init)
     while not os.path.exists(out / "ckpt-000002") and p.poll() is None:
@@ -463,7 +470,7 @@ def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_
     r = run_rl(out, *steps, init="base")             # --init is ignored on resume: the checkpoint and
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]   # <out>/reference decide
     assert f"at step {done}" in r.stdout
-    after, uninterrupted = read_metrics(out), read_metrics(tmp_path / "uninterrupted")
+    after, uninterrupted = read_metrics(out), read_metrics(uninterrupted)
     assert [x["step"] for x in after] == [1, 2, 3, 4]  # every step once: none lost, none repeated
     assert after[:done] == before[:done]              # steps up to the checkpoint are kept as they were
     trained = [x["step"] for x in after if x["groups_trained"]]
@@ -479,3 +486,59 @@ def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_
                         None if x["kl"] is None else round(x["kl"], 6),
                         None if x["grad_norm"] is None else round(x["grad_norm"], 5)) for x in ms]
     assert same(after) == same(uninterrupted)
+
+
+def adapter_tensors(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["truncate the adapter", "delete the optimizer state"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_model_dir, uninterrupted, damage):
+    """The newest checkpoint damaged as a full disk or a cut copy leaves it: the rerun says so in one line,
+    resumes from the checkpoint before, and ends with exactly the adapter of a run that was never damaged."""
+    steps = ["--model", os.path.join(tiny_model_dir, "model"), *TRAINS]
+    init, out = os.path.join(tiny_model_dir, "sft"), tmp_path / "run"
+    first = run_rl(out, *steps, "--steps", "3", init=init)        # the same run, stopped after 3 of its 4 steps
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt-")) == ["ckpt-000002", "ckpt-000003"]   # last two
+    if damage == "truncate the adapter":
+        path = out / "ckpt-000003" / "adapter" / "adapter_model.safetensors"
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        os.remove(out / "ckpt-000003" / "state.pt")
+    r = run_rl(out, *steps, init=init)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    said = [line for line in r.stdout.splitlines() if " is damaged " in line]
+    assert len(said) == 1 and "ckpt-000003" in said[0], r.stdout[-3000:]
+    assert "resumed from" in r.stdout and "ckpt-000002 at step 2" in r.stdout
+    assert [x["step"] for x in read_metrics(out)] == [1, 2, 3, 4]
+    want, got = adapter_tensors(uninterrupted / "adapter"), adapter_tensors(out / "adapter")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_rollout_whose_user_failed_is_left_out_and_the_rest_of_its_group_trains(tmp_path, tiny_model_dir):
+    """An LLM user server (a real HTTP server on 127.0.0.1) that fails one conversation, its opening (a 401 is
+    not retried): that rollout leaves its group, which trains on the other three; the step logs one simulator
+    failure. The users say the order was delivered and stop after the agent's first turn, so the tiny
+    model's rollouts succeed when they say "delivered" (retail's refuse_cancel_delivered)."""
+    from chat_server import FakeServer
+    n = {"requests": 0}
+
+    def answer(body):
+        n["requests"] += 1
+        if n["requests"] == 2:
+            return "401"
+        opening = len(body["messages"]) == 2                     # the user's system prompt and the agent's greeting
+        return {"content": "Please cancel my order #W0000001." if opening else "Thanks. ###STOP###"}
+    with FakeServer(answer) as srv:
+        r = run_rl(tmp_path, "--model", os.path.join(tiny_model_dir, "model"), "--steps", "1", "--max-turns", "1",
+                   "--domains", "retail", "--tiers", "hard", "--draw", "2", "--group-size", "4", "--eval-every", "0",
+                   "--user", "openai:m", "--user-base-url", srv.url, "--user-workers", "1", "--seed", "4",
+                   init=os.path.join(tiny_model_dir, "sft"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = read_metrics(tmp_path)[0]
+    print(m["per_group"], m["groups_trained"])
+    assert m["sim_failures"] == 1
+    assert [len(g["rewards"]) for g in m["per_group"]] == [3, 4]            # the second opening asked was the lost one
+    assert m["per_group"][0]["trained"] and len(set(m["per_group"][0]["rewards"])) > 1

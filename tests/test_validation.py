@@ -1,0 +1,73 @@
+"""Bad input gets one clear line before any work: each class of bad flag exits with status 2 and one line on
+stderr that names the flag. Every case goes through the script's own argument parsing (in-process, fast); one
+case per script also runs as a user types it, where the model cache points at an empty dir: a script that got
+as far as loading the default model would convert the bundled GGUF there, so an empty cache afterwards means
+no model was loaded, and no --out dir may be left behind."""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = [   # script, bad flags, the flag the line must name
+    ("rl.py", ["--domains", "nope"], "--domains"),
+    ("rl.py", ["--domains", "airline,tau2-nope"], "--domains"),
+    ("rl.py", ["--lr", "nan"], "--lr"),
+    ("rl.py", ["--lr", "-1e-4"], "--lr"),
+    ("rl.py", ["--lr", "abc"], "--lr"),
+    ("rl.py", ["--group-size", "1"], "--group-size"),
+    ("rl.py", ["--steps", "-1"], "--steps"),
+    ("rl.py", ["--steps", "0"], "--steps"),
+    ("rl.py", ["--temperature", "0"], "--temperature"),
+    ("rl.py", ["--user", "gpt4"], "--user"),
+    ("rl.py", ["--user", "openai:"], "--user"),
+    ("rl.py", ["--init", "no/such/adapter"], "--init"),
+    ("rl.py", ["--tiers", "easiest"], "--tiers"),
+    ("rl.py", ["--max-context", "64", "--max-new-tokens", "80"], "--max-context"),
+    ("rl.py", ["--kl-coef", "inf"], "--kl-coef"),
+    ("rl.py", ["--no-such-flag"], "--no-such-flag"),
+    ("eval.py", ["--domains", "tau2-nope"], "--domains"),
+    ("eval.py", ["--n-tasks", "0"], "--n-tasks"),
+    ("eval.py", ["--trials", "-2"], "--trials"),
+    ("eval.py", ["--agents", "base,no/such/adapter"], "--agents"),
+    ("eval.py", ["--user", "robot"], "--user"),
+    ("eval.py", ["--temperature", "-1"], "--temperature"),
+    ("sft.py", ["--domains", "retail,nope"], "--domains"),
+    ("sft.py", ["--lr", "0"], "--lr"),
+    ("sft.py", ["--batch-size", "3", "--micro-batch-size", "2"], "--batch-size"),
+    ("sft.py", ["--tasks-per-scenario", "0"], "--tasks-per-scenario"),
+    ("sft.py", ["--user", "none"], "--user"),
+    ("sampler.py", ["--domain", "nope"], "--domain"),
+    ("sampler.py", ["--tasks", "0"], "--tasks"),
+]
+
+
+@pytest.mark.parametrize("script, flags, flag", CASES, ids=[f"{s} {' '.join(f)}" for s, f, _ in CASES])
+def test_each_bad_flag_is_one_line_naming_it_and_exit_2(capsys, monkeypatch, script, flags, flag):
+    module = importlib.import_module(script[:-3])
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(flags) if script != "sampler.py" else module.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and flag in err[0], err
+
+
+FIRST_OF_EACH_SCRIPT = [c for i, c in enumerate(CASES) if c[0] not in {s for s, _, _ in CASES[:i]}]
+
+
+@pytest.mark.parametrize("script, flags, flag", FIRST_OF_EACH_SCRIPT, ids=[s for s, _, _ in FIRST_OF_EACH_SCRIPT])
+def test_from_the_command_line_no_model_loads_and_no_out_dir_is_left(tmp_path, script, flags, flag):
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    cache.mkdir()
+    argv = [sys.executable, script, *flags] + (["--out", str(out)] if script != "sampler.py" else [])
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MUA_RL_CACHE": str(cache)})
+    lines = r.stderr.strip().splitlines()
+    print(r.stderr.strip())
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(lines) == 1 and flag in lines[0], lines
+    assert r.stdout == ""                        # not even the arguments: nothing ran
+    assert not out.exists() and not os.listdir(cache)
