@@ -522,37 +522,49 @@ def paper_tables(results: dict) -> str:
 
 
 def plot(results: dict, path: str, pairs: dict | None = None):
-    """pass^1 of every agent with its 95% CI (the paired differences in the title), and per scenario."""
+    """Three panels, each titled in one line: pass^1 of every agent with its 95% CI; pass^1 per domain; and each
+    paired difference with its 95% paired CI (a point left of 0: the first agent did worse)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 1.6]})
-    agents, scenarios = list(results), list(next(iter(results.values()))["tau"]["per_scenario"])
-    short = lambda a: re.sub(r"^runs/(agents/)?|/adapter$", "", a)   # noqa: E731; runs/X/adapter -> X, to fit
+    short = lambda a: re.sub(r"^runs/(agents/)?|/adapter$", "", a)   # noqa: E731; runs/X/adapter -> X
+    agents = list(results)
+    domains = list(results[agents[0]]["tau"]["per_domain"])
+    pairs = pairs or {}
+    fig, axes = plt.subplots(1, 3 if pairs else 2, figsize=(13 if pairs else 9, 3.6),
+                             gridspec_kw={"width_ratios": [1, 1.2, 1.3][:3 if pairs else 2]})
     overall = [results[a]["tau"]["overall"] for a in agents]
     vals = [o["pass^k"][1] for o in overall]
     err = [[v - o["ci"][1][0] for v, o in zip(vals, overall)], [o["ci"][1][1] - v for v, o in zip(vals, overall)]]
-    ax1.bar(range(len(agents)), vals, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(agents))])
-    ax1.set_xticks(range(len(agents)), [short(a) for a in agents])   # positions, so equal short names stay apart
+    ax = axes[0]
+    ax.bar(range(len(agents)), vals, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(agents))])
+    ax.set_xticks(range(len(agents)), [short(a) for a in agents])
     for i, v in enumerate(vals):
-        ax1.text(i + 0.08, v + 0.02, f"{v:.2f}", ha="left")      # beside the error bar
-    n = overall[0]["n_tasks"]
-    title = f"pass^1, {n} held-out tasks (95% CI)"
-    for name, d in (pairs or {}).items():
-        name = " - ".join(map(short, name.split(" - ")))
-        title += f"\n{name}: {d['diff']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}], McNemar p {d['mcnemar_p']:.2g}"
-    ax1.set(ylabel="pass^1", ylim=(0, 1.05))
-    ax1.tick_params(axis="x", labelrotation=15)
-    ax1.set_title(title, fontsize=9)
-    width = 0.8 / len(agents)
+        ax.text(i, 0.03, f"{v:.3f}", ha="center", color="white", fontweight="bold")   # inside the bar, off the CI
+    ax.set(ylabel="pass^1", ylim=(0, 1.05), title=f"pass^1, {overall[0]['n_tasks']} tasks (95% CI)")
+    ax, width = axes[1], 0.8 / len(agents)
     for i, a in enumerate(agents):
-        ax2.bar([j + i * width for j in range(len(scenarios))],
-                [results[a]["tau"]["per_scenario"][s]["pass^k"][1] for s in scenarios], width, label=short(a))
-    ax2.set_xticks([j + width * (len(agents) - 1) / 2 for j in range(len(scenarios))], scenarios, rotation=20, ha="right")
-    ax2.set(ylabel="pass^1", title="per scenario", ylim=(0, 1.05))
-    ax2.legend()
+        ax.bar([j + i * width for j in range(len(domains))],
+               [results[a]["tau"]["per_domain"][d]["pass^k"][1] for d in domains], width, label=short(a),
+               color=f"C{i}")
+    ax.set_xticks([j + width * (len(agents) - 1) / 2 for j in range(len(domains))], domains)
+    ax.set(ylim=(0, 1.05), title="pass^1 per domain")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(agents), frameon=False)   # below the axes
+    if pairs:
+        ax = axes[2]
+        names = list(pairs)[::-1]                                     # the first pair on top
+        for y, name in enumerate(names):
+            d = pairs[name]
+            ax.errorbar(d["diff"], y, xerr=[[d["diff"] - d["ci"][0]], [d["ci"][1] - d["diff"]]], fmt="o", capsize=4,
+                        color="C3" if d["ci"][0] > 0 else "0.3")
+            ax.text(d["ci"][1] + 0.02, y, f"{d['diff']:+.3f}", va="center")
+        ax.axvline(0, color="0.6", lw=1)
+        ax.set_yticks(range(len(names)), [" - ".join(map(short, n.split(" - "))) for n in names])
+        lo = min(-0.1, *(pairs[n]["ci"][0] for n in names)) - 0.05
+        ax.set(xlim=(lo, max(0.1, *(pairs[n]["ci"][1] for n in names)) + 0.2), ylim=(-0.6, len(names) - 0.4),
+               title="paired difference in pass^1 (95% CI)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
 
 

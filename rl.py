@@ -13,8 +13,10 @@ Run:
     python rl.py --user none            # ablation: the whole instruction up front, no user turns
     python rl.py --reward shaped        # ablation: partial credit for correct writes
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
-Writes under --out (default runs/rl): args.json, metrics.jsonl (a line a step), rl.png, reference/ (the
-starting adapter), ckpt-NNNNNN/ (the last two) and adapter/. Rerun the same command after a kill: it resumes.
+    python rl.py --rollouts runs/rl/rollouts --loss-agg seq-mean --out runs/rl_seqmean   # same rollouts, other update
+Writes under --out (default runs/rl): args.json, metrics.jsonl (a line a step), rl.png, rollouts/ (each step's
+token ids, masks and rewards), reference/ (the starting adapter), ckpt-NNNNNN/ (the last two) and adapter/.
+Rerun the same command after a kill: it resumes.
 
 Simplifications versus the paper:
 - SmolLM2-135M-Instruct on CPU and LoRA instead of full fine-tuning; the reference is a frozen copy of the
@@ -101,6 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks per domain for that curve (preset)")
     p.add_argument("--eval-skip", type=int, default=24, help="the curve uses the held-out tasks after the first N "
                    "of each domain, the ones eval.py's CPU preset reports")
+    p.add_argument("--rollouts", default=None, help="train on the rollouts another run saved (its rollouts/ dir) "
+                   "instead of sampling: compares update rules on identical rollouts")
     p.add_argument("--seed", type=int, default=0, help="seed for task sampling, users and sampling")
     p.add_argument("--out", default="runs/rl", help="output dir (everything this run writes)")
     p.add_argument("--smoke", action="store_true", help="2 tiny steps (tests)")
@@ -119,6 +123,8 @@ def parse_args(argv=None):
     if args.max_context <= args.max_new_tokens:
         common.fail("--max-context", f"{args.max_context} leaves no room for the prompt beside --max-new-tokens "
                     f"{args.max_new_tokens}; raise it")
+    if args.rollouts and not os.path.isdir(args.rollouts):
+        common.fail("--rollouts", f"{args.rollouts} is not a dir; use another run's <out>/rollouts")
     if args.user == "oracle":
         common.fail("--user", "oracle is the gold user of the oracle agent (sft.py, tests); RL needs scripted, none, "
                     "local or openai:MODEL")
@@ -243,28 +249,36 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, ref_is_policy=False)
 
 
 def plot(metrics, path, temperature):
-    """Training reward and held-out pass^1 (the curve that matters), KL to the reference, groups trained."""
+    """Three panels: pass^1 of the training rollouts and of the greedy policy on held-out tasks (the curve that
+    matters), the KL to the reference, and the groups drawn / with reward variance / trained per step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.3))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     trained = [m for m in metrics if "reward" in m]
     evals = [m for m in metrics if m.get("heldout_pass1") is not None]
-    axes[0].plot([m["step"] for m in trained], [m["pass_rate"] for m in trained], marker=".", label=f"train rollouts (T={temperature:g})")
+    axes[0].plot([m["step"] for m in trained], [m["pass_rate"] for m in trained], marker=".",
+                 label=f"training rollouts (T = {temperature:g})")
     axes[0].plot([m["step"] for m in evals], [m["heldout_pass1"] for m in evals], marker="o", label="held-out (greedy)")
-    axes[0].set(title="pass^1", xlabel="step", ylim=(-0.02, 1.02))
-    axes[0].legend(fontsize=8)
+    for m in evals:
+        axes[0].annotate(f"{m['heldout_pass1']:.3f}", (m["step"], m["heldout_pass1"]), textcoords="offset points",
+                         xytext=(0, 6), ha="center", fontsize=8)
+    axes[0].set(title="pass^1", xlabel="step", ylim=(-0.02, 1.1))
+    axes[0].set_xticks(sorted({m["step"] for m in metrics}))
     kl = [m for m in trained if m["kl"] is not None]
     axes[1].plot([m["step"] for m in kl], [m["kl"] for m in kl], marker=".")
-    axes[1].set(title="KL to the reference (k3)", xlabel="step")
-    axes[2].bar([m["step"] for m in trained], [m["groups_drawn"] for m in trained], color="0.8", label="drawn")
-    axes[2].bar([m["step"] for m in trained], [m["groups_varied"] for m in trained], color="C9",
-                label="with reward variance")                       # >= trained: --tasks caps it
-    axes[2].bar([m["step"] for m in trained], [m["groups_trained"] for m in trained], label="trained")
+    axes[1].set(title="KL to the starting policy (k3)", xlabel="step")
+    axes[1].set_xticks([m["step"] for m in kl])
+    steps = [m["step"] for m in trained]
+    axes[2].bar(steps, [m["groups_drawn"] for m in trained], color="0.8", label="drawn")
+    axes[2].bar(steps, [m["groups_varied"] for m in trained], color="C9", label="rewards differ")
+    axes[2].bar(steps, [m["groups_trained"] for m in trained], label="trained")    # <= varied: --tasks caps it
     axes[2].set(title="groups per step", xlabel="step")
-    axes[2].legend(fontsize=8)
+    axes[2].set_xticks(steps)
+    for ax in (axes[0], axes[2]):
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -331,9 +345,7 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
     drawn, varied, lost = [], [], 0
     for d in range(args.max_draws):
         tasks = order[d * args.draw:(d + 1) * args.draw]
-        trajs = rollout.run_episodes(agent, tok, tasks, group_size=G, user=args.user, max_turns=args.max_turns,
-                                     max_context=args.max_context, seed=args.seed * 1_000_003 + step * 101 + d,
-                                     shaped=args.reward == "shaped", progress=True, **user_kw)
+        trajs = rollouts(agent, tok, tasks, step, d, args, user_kw)
         failed = [t for t in trajs if t.failed]
         if len(failed) > args.max_sim_failures * len(trajs):
             raise SystemExit(f"step {step + 1}: {len(failed)} of {len(trajs)} rollouts lost their simulator, more "
@@ -345,6 +357,28 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
         if len(varied) >= args.tasks:
             break
     return drawn, varied[:args.tasks], lost
+
+
+def rollouts(agent, tok, tasks, step, d, args, user_kw):
+    """One batch of G rollouts per task, saved as <out>/rollouts/step-S-draw-D.jsonl (token ids, masks, sampler
+    log-probs, rewards; no text); with --rollouts DIR, read from another run's files instead of sampled, so
+    update rules (--loss-agg, --lr, --kl-coef, ...) can be compared on identical rollouts."""
+    name = f"step-{step + 1:06d}-draw-{d}.jsonl"
+    if args.rollouts:
+        path = os.path.join(args.rollouts, name)
+        if not os.path.isfile(path):
+            raise SystemExit(f"--rollouts {args.rollouts}: no {name}; that run drew fewer steps or batches")
+        with open(path) as f:
+            return [rollout.Trajectory(**json.loads(line)) for line in f]
+    trajs = rollout.run_episodes(agent, tok, tasks, group_size=args.group_size, user=args.user,
+                                 max_turns=args.max_turns, max_context=args.max_context,
+                                 seed=args.seed * 1_000_003 + step * 101 + d, shaped=args.reward == "shaped",
+                                 progress=True, **user_kw)
+    os.makedirs(os.path.join(args.out, "rollouts"), exist_ok=True)
+    with open(os.path.join(args.out, "rollouts", name), "w") as f:
+        for t in trajs:
+            f.write(json.dumps({**vars(t), "messages": [], "diff": ""}) + "\n")
+    return trajs
 
 
 def step_metrics(step, drawn, kept, lost, st, seconds):

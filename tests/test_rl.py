@@ -542,3 +542,20 @@ def test_a_rollout_whose_user_failed_is_left_out_and_the_rest_of_its_group_train
     assert m["sim_failures"] == 1
     assert [len(g["rewards"]) for g in m["per_group"]] == [3, 4]            # the second opening asked was the lost one
     assert m["per_group"][0]["trained"] and len(set(m["per_group"][0]["rewards"])) > 1
+
+
+def test_replaying_saved_rollouts_compares_update_rules_on_identical_rollouts(tmp_path, tiny_model_dir, uninterrupted):
+    """--rollouts DIR trains on another run's saved rollouts instead of sampling: with the same update rule it
+    ends at exactly that run's adapter; with another (seq-mean) every step sees the same groups, rewards and
+    tokens, and only the update differs."""
+    steps = ["--model", os.path.join(tiny_model_dir, "model"), *TRAINS, "--rollouts", str(uninterrupted / "rollouts")]
+    init = os.path.join(tiny_model_dir, "sft")
+    same, other = run_rl(tmp_path / "same", *steps, init=init), run_rl(tmp_path / "other", *steps, "--loss-agg",
+                                                                      "seq-mean", init=init)
+    assert same.returncode == other.returncode == 0, same.stdout[-2000:] + other.stdout[-2000:]
+    want = adapter_tensors(uninterrupted / "adapter")
+    got, changed = adapter_tensors(tmp_path / "same" / "adapter"), adapter_tensors(tmp_path / "other" / "adapter")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert not all(torch.equal(want[k], changed[k]) for k in want)
+    seen = lambda out: [(x["per_group"], x["tokens"], x["train_tokens"]) for x in read_metrics(out)]   # noqa: E731
+    assert seen(tmp_path / "other") == seen(uninterrupted) == seen(tmp_path / "same")
