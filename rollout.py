@@ -101,7 +101,7 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0):
     """Wrap model in a LoRA PeftModel on all linear projections (attention and MLP); the base is frozen.
     No peft.prepare_model_for_kbit_training for 4-bit models: it casts every parameter that is not 4-bit
     (embeddings, lm_head, norms) to fp32, 2.3 GiB more for Qwen3-8B's embeddings and lm_head and an
-    fp32 residual stream; bf16 compute needs neither (README, the 24 GB budget)."""
+    fp32 residual stream; bf16 compute needs neither."""
     from peft import LoraConfig, get_peft_model
     with _peft_reads_a_deprecated_property():
         return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,

@@ -93,7 +93,7 @@ class ModelAgent:
     prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
     either way (tests/test_rollout.py)."""
 
-    KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak (README budget)
+    KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak beyond the weights
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
                  kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True):

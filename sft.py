@@ -62,12 +62,12 @@ from kernels import backward_with_shared_prefix, shared_prefix_len
 from rollout import TextAgent
 
 
-# Sizes by machine: cpu is sized for ~10 minutes on 2 cores (README), gpu follows the paper's data size.
+# Sizes by machine: cpu is sized for ~10 minutes on 2 cores, gpu follows the paper's data size.
 ALL_TIERS = "easy,medium,hard"
 PRESETS = {
     "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
                   max_len=8192, save_every=20,       # 167 x 12 scenarios = 2,004 conversations, as in the paper
-                  grad_checkpointing="on"),          # 4 x 2.6k tokens fit 24 GB only with it (README)
+                  grad_checkpointing="on"),          # 4 x 2.6k tokens of layer activations fit 24 GB only with it
     "cpu":   dict(tasks_per_scenario=20, tiers="easy", epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3,
                   max_len=4096, save_every=4, grad_checkpointing="off"),
     "smoke": dict(tasks_per_scenario=1, tiers=ALL_TIERS, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3,

@@ -83,7 +83,7 @@ def token_slice(pieces: list[tuple], start: int, stop: int) -> list[tuple]:
 def weight_major_linear(max_rows: int = 64):
     """Inside: on CPU, F.linear(x, W) of at most max_rows rows is computed as (W @ x^T)^T, the same product.
     A decode step feeds one token per conversation, and for so few rows the BLAS torch ships (MKL) runs this
-    layout several times faster than x @ W^T (README, rollout speed); prefill and training rows keep the
+    layout several times faster than x @ W^T; prefill and training rows keep the
     usual layout, which is as fast or faster there. Every nn.Linear (LoRA's too) goes through F.linear."""
     plain = F.linear
 
@@ -103,7 +103,7 @@ def weight_major_linear(max_rows: int = 64):
 @contextlib.contextmanager
 def lora_merged(model, enabled: bool = True):
     """Sample with the active LoRA adapter folded into the weights, W + (alpha / r) B A: one matmul per
-    projection instead of three (README, "A cheaper update"). The weights come back bit for bit afterwards
+    projection instead of three. The weights come back bit for bit afterwards
     (unmerging alone subtracts in floating point and leaves rounding behind), so training and the KL
     reference see the weights they saw before. CPU and unquantized only: on a GPU a saved copy of 8B
     weights would not fit beside them, and NF4 weights cannot take a delta. Not while the adapter is
