@@ -27,7 +27,7 @@ def tiny_lora(tiny):
 
 
 def tasks():
-    return [t for d in envs.DOMAINS for t in envs.make_tasks(d, "train", 3)]
+    return [t for d in envs.DOMAINS for t in envs.make_tasks(d, "train", 2)]
 
 
 def test_sample_turn_greedy_is_argmax_of_a_full_forward(tiny, tok):
@@ -44,13 +44,13 @@ def test_sample_turn_greedy_is_argmax_of_a_full_forward(tiny, tok):
 @pytest.mark.parametrize("waves", [False, True])
 def test_fast_sampler_equals_the_plain_one_greedy(tiny_lora, tok, waves):
     """Token for token, message for message: the plain reference and the optimised sampler, greedy, on the same
-    tasks and users over up to 4 agent turns; with waves, a KV budget of a few rows' worth forces them."""
+    tasks and users over up to 3 agent turns; with waves, a KV budget of a few rows' worth forces them."""
     from kernels.attention import kv_bytes_per_token
     kv_budget = 5000 * kv_bytes_per_token(tiny_lora.config, torch.float32) if waves else None
     runs = {}
     for name, agent in (("plain", PlainAgent(tiny_lora, tok, temperature=0.0, max_new_tokens=8)),
                         ("fast", ModelAgent(tiny_lora, tok, temperature=0.0, max_new_tokens=8, kv_budget=kv_budget))):
-        runs[name] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=4, progress=False, seed=1)
+        runs[name] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=3, progress=False, seed=1)
     assert sum(t.turns for t in runs["plain"]) > len(runs["plain"])      # several rounds: caches were reused
     for a, b in zip(runs["plain"], runs["fast"]):
         assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
