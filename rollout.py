@@ -319,35 +319,29 @@ class OpenAIAgent(TextAgent):
 
 # ----------------------------------------------------------------------------- the rollout loop
 
-def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
-                 max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
-                 user_workers: int = 16, **user_kw) -> list[Trajectory]:
-    """len(tasks) * group_size rollouts, task-major. user_kw goes to make_user (the local user's own model=
-    and tokenizer=: the first three parameters are positional-only so that they can). Each round every
-    conversation waiting on the agent is advanced by one agent.act() call; then each executes its first tool
-    call or gets its user's reply.
-    Users that can (LLM users over HTTP) are asked together, user_workers at a time: the first messages,
-    then each round's replies. Sampling randomness comes from torch's global RNG (seed it in the caller
-    for reproducible runs). The chat format (e.g. thinking on or off) is the agent's."""
-    fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
-    max_new = getattr(agent, "max_new_tokens", 0)
-    def add(traj, ids, logprobs=None):                   # logprobs given <=> sampled by the agent: mask 1
-        traj.token_ids += ids
-        traj.loss_mask += [int(logprobs is not None)] * len(ids)
-        traj.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
+def _add(traj, ids, logprobs=None):
+    """Append tokens; logprobs given <=> the agent sampled them: loss_mask 1, else 0."""
+    traj.token_ids += ids
+    traj.loss_mask += [int(logprobs is not None)] * len(ids)
+    traj.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
 
-    def append(traj, role, content):                     # a user/tool turn as a template delta: mask 0
-        traj.messages.append({"role": role, "content": content})
-        add(traj, ids := fmt.delta_ids(role, content))
-        traj.stats[f"{role}_tokens"] += len(ids)
 
-    # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
-    made = []
+def _append_turn(traj, fmt, role, content):
+    """A user or tool turn, appended as a token delta of the chat template (mask 0)."""
+    traj.messages.append({"role": role, "content": content})
+    _add(traj, ids := fmt.delta_ids(role, content))
+    traj.stats[f"{role}_tokens"] += len(ids)
+
+
+def start_conversations(tasks, group_size, user, seed, shaped, fmt, max_new, max_context, user_workers, user_kw):
+    """A fresh env and simulated user per rollout, task-major, and each conversation's prompt: the system
+    prompt (policy + tools) and the user's opening. -> ([(env, user, Trajectory)], how many users to ask at once)."""
+    made = []   # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
     for i, task in enumerate(tasks):
         for g in range(group_size):
             env = worlds.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
             made.append((env, worlds.make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
-                                        **user_kw), i, g))
+                                               **user_kw), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []
     for (env, u, i, g), first in zip(made, ask_users([u.first_message for _, u, _, _ in made], workers)):
@@ -357,7 +351,7 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
                           [{"role": "system", "content": system}, {"role": "user", "content": opening}],
                           stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
                                                "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))
-        add(traj, fmt.prompt_ids(env.policy, opening, env.tools))   # messages[0] holds the tools as text
+        _add(traj, fmt.prompt_ids(env.policy, opening, env.tools))   # messages[0] holds the tools as text
         if isinstance(first, Exception):                 # no opening, no conversation: the simulator failed
             traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(first).__name__}: {first}"
         elif len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
@@ -369,65 +363,85 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
               f"with policy and tools, then the user's opening) is up to {max(cut)} tokens, and with {max_new} to "
               f"answer that passes max_context {max_context}. They score 0; raise --max-context (up to the model's "
               "context) or use a model with a longer one.")
+    return convs, workers
 
+
+def agent_turn(env, u, traj, new_ids, new_lp, fmt, tokenizer) -> bool:
+    """Append the agent's sampled turn, then run its first tool call (as in the official code; a malformed one
+    becomes an "Error: ..." observation) or, for plain text, hand over to the user. -> does the user speak next?"""
+    _add(traj, new_ids, new_lp)
+    traj.turns += 1
+    traj.stats["sampled_tokens"] += len(new_ids)
+    ended = bool(new_ids) and new_ids[-1] == fmt.end_of_turn_id
+    text = tokenizer.decode(new_ids[:-1] if ended else new_ids)
+    calls, error = parse_tool_calls(text)
+    traj.messages.append({"role": "assistant", "content": text, "tool_calls": calls}
+                         | ({} if ended else {"truncated": True}))   # cut at max_new_tokens
+    traj.stats["truncated_turns"] += not ended
+    try:
+        if calls:
+            traj.stats["tool_calls"] += 1
+            traj.stats["extra_calls_ignored"] += len(calls) - 1 + (error is not None)
+            obs = env.step(calls[0]["name"], calls[0]["arguments"])
+            traj.stats["tool_errors"] += obs.startswith("Error")
+            if calls[0]["name"] == "transfer_to_human_agents" and not obs.startswith("Error"):
+                traj.stop_reason = "transfer"
+            _append_turn(traj, fmt, "tool", obs)
+        elif error:
+            traj.stats["malformed_calls"] += 1
+            _append_turn(traj, fmt, "tool", f"Error: {error}")
+        elif u.ends_on_text:
+            traj.stop_reason = "agent_stop"
+        else:
+            return True
+    except Exception as e:                               # a failing env ends this rollout only
+        traj.stop_reason, traj.failed, traj.stats["error"] = "error", "env", f"{e.__class__.__name__}: {e}"
+    return False
+
+
+def user_turn(traj, said, fmt):
+    """Append the user's reply; ###STOP### ends the episode (kept in messages, no tokens: nothing follows)."""
+    if isinstance(said, Exception):                      # a failing user ends this rollout only
+        traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(said).__name__}: {said}"
+    elif STOP in said:
+        traj.messages.append({"role": "user", "content": said})
+        traj.stop_reason = "user_stop"
+    else:
+        _append_turn(traj, fmt, "user", said)
+
+
+def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
+                 max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
+                 user_workers: int = 16, **user_kw) -> list[Trajectory]:
+    """len(tasks) * group_size rollouts, task-major. Each round every conversation waiting on the agent is
+    advanced by one agent.act() call; then each runs its tool call or gets its user's reply, users asked
+    together (user_workers at a time: an LLM user waits on the network). user_kw goes to the user (the local
+    user's own model= and tokenizer=: the first three parameters are positional-only so that they can).
+    Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs). The chat
+    format (e.g. thinking on or off) is the agent's."""
+    fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
+    max_new = getattr(agent, "max_new_tokens", 0)
+    convs, workers = start_conversations(tasks, group_size, user, seed, shaped, fmt, max_new, max_context,
+                                         user_workers, user_kw)
     active = [c for c, (_, _, traj) in enumerate(convs) if not traj.stop_reason]
-    bar = tqdm(total=len(convs), desc="conversations", unit="conv", disable=not progress, leave=False,
+    bar = tqdm(total=len(convs), desc="conversations", disable=not progress, leave=False,
                bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")
     t0, rounds = time.time(), 0
     while active:
         outs = agent.act([(convs[c][0].task, convs[c][2].messages, convs[c][2].token_ids) for c in active])
-        waiting = []                                     # conversations whose user speaks next
-        for c, (new_ids, new_lp) in zip(active, outs):
-            env, u, traj = convs[c]
-            add(traj, new_ids, new_lp)
-            traj.turns += 1
-            traj.stats["sampled_tokens"] += len(new_ids)
-            ended = bool(new_ids) and new_ids[-1] == fmt.end_of_turn_id
-            text = tokenizer.decode(new_ids[:-1] if ended else new_ids)
-            calls, error = parse_tool_calls(text)
-            traj.messages.append({"role": "assistant", "content": text, "tool_calls": calls}
-                                 | ({} if ended else {"truncated": True}))   # cut at max_new_tokens
-            traj.stats["truncated_turns"] += not ended
-            try:
-                if calls:                                # as in the official code: first call only
-                    traj.stats["tool_calls"] += 1
-                    traj.stats["extra_calls_ignored"] += len(calls) - 1 + (error is not None)
-                    obs = env.step(calls[0]["name"], calls[0]["arguments"])
-                    traj.stats["tool_errors"] += obs.startswith("Error")
-                    if calls[0]["name"] == "transfer_to_human_agents" and not obs.startswith("Error"):
-                        traj.stop_reason = "transfer"
-                    append(traj, "tool", obs)
-                elif error:
-                    traj.stats["malformed_calls"] += 1
-                    append(traj, "tool", f"Error: {error}")
-                elif u.ends_on_text:
-                    traj.stop_reason = "agent_stop"
-                else:
-                    waiting.append(c)
-            except Exception as e:                       # a failing env ends this rollout only
-                traj.stop_reason, traj.failed, traj.stats["error"] = "error", "env", f"{e.__class__.__name__}: {e}"
+        waiting = [c for c, (ids, lps) in zip(active, outs) if agent_turn(*convs[c], ids, lps, fmt, tokenizer)]
         replies = ask_users([partial(convs[c][1].reply, convs[c][2].messages[1:]) for c in waiting], workers)
         for c, said in zip(waiting, replies):
-            traj = convs[c][2]
-            if isinstance(said, Exception):              # a failing user ends this rollout only
-                traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(said).__name__}: {said}"
-            elif STOP in said:                           # kept in messages; no tokens (nothing follows)
-                traj.messages.append({"role": "user", "content": said})
-                traj.stop_reason = "user_stop"
-            else:
-                append(traj, "user", said)
-        still = []
-        for c in active:
+            user_turn(convs[c][2], said, fmt)
+        for c in active:                                 # the turn cap and the context limit cut what is left
             traj = convs[c][2]
             traj.stop_reason = traj.stop_reason or ("max_turns" if traj.turns >= max_turns else "context_limit"
                                                     if len(traj.token_ids) + max_new > max_context else "")
             bar.update(bool(traj.stop_reason))
-            still += [] if traj.stop_reason else [c]
-        active, rounds = still, rounds + 1
+        active, rounds = [c for c in active if not convs[c][2].stop_reason], rounds + 1
         sampled = sum(t.stats["sampled_tokens"] for _, _, t in convs)
         bar.set_postfix_str(f"round {rounds}, {sampled} tokens sampled, {sampled / (time.time() - t0):.1f} tok/s")
     bar.close()
-
     for env, u, traj in convs:                           # reward on what the user could read
         traj.reward = float(env.reward([visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"],
                                        stop_reason=traj.stop_reason))

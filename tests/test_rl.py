@@ -3,6 +3,7 @@ the KL / gradient-mask / update checks, then a 2-step --smoke run and a real SIG
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -493,21 +494,30 @@ def adapter_tensors(path):
     return load_file(os.path.join(path, "adapter_model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def three_of_four(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run's first 3 steps (the same command with --steps 3): checkpoints 2 and 3 kept."""
+    out = tmp_path_factory.mktemp("three") / "run"
+    r = run_rl(out, "--model", os.path.join(tiny_model_dir, "model"), *TRAINS, "--steps", "3",
+               init=os.path.join(tiny_model_dir, "sft"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt-")) == ["ckpt-000002", "ckpt-000003"]   # last two
+    return out
+
+
 @pytest.mark.parametrize("damage", ["truncate the adapter", "delete the optimizer state"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_model_dir, uninterrupted, damage):
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_model_dir, uninterrupted, three_of_four,
+                                                                  damage):
     """The newest checkpoint damaged as a full disk or a cut copy leaves it: the rerun says so in one line,
     resumes from the checkpoint before, and ends with exactly the adapter of a run that was never damaged."""
-    steps = ["--model", os.path.join(tiny_model_dir, "model"), *TRAINS]
-    init, out = os.path.join(tiny_model_dir, "sft"), tmp_path / "run"
-    first = run_rl(out, *steps, "--steps", "3", init=init)        # the same run, stopped after 3 of its 4 steps
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt-")) == ["ckpt-000002", "ckpt-000003"]   # last two
+    out = tmp_path / "run"
+    shutil.copytree(three_of_four, out)
     if damage == "truncate the adapter":
         path = out / "ckpt-000003" / "adapter" / "adapter_model.safetensors"
         path.write_bytes(path.read_bytes()[:100])
     else:
         os.remove(out / "ckpt-000003" / "state.pt")
-    r = run_rl(out, *steps, init=init)
+    r = run_rl(out, "--model", os.path.join(tiny_model_dir, "model"), *TRAINS, init=os.path.join(tiny_model_dir, "sft"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     said = [line for line in r.stdout.splitlines() if " is damaged " in line]
     assert len(said) == 1 and "ckpt-000003" in said[0], r.stdout[-3000:]

@@ -130,7 +130,7 @@ def test_tau2_user_reads_tau2s_prompt_and_runs_its_phone_tools_on_the_env():
     call = {"id": "c1", "type": "function", "function": {"name": "toggle_airplane_mode", "arguments": "{}"}}
     with FakeServer({"content": "My mobile data does not work."}, {"content": None, "tool_calls": [call]},
                     {"content": "Done, airplane mode is off now."}) as srv:
-        user = users.make_user("openai:sim", task, 0, env=env, base_url=srv.url, api_key="k", timeout=5.0)
+        user = worlds.make_user("openai:sim", task, 0, env=env, base_url=srv.url, api_key="k", timeout=5.0)
         first = user.first_message()
         said = user.reply([{"role": "user", "content": first},
                            {"role": "assistant", "content": "Please turn airplane mode off.", "tool_calls": []}])

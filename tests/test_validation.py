@@ -40,6 +40,10 @@ CASES = [   # script, bad flags, the flag the line must name
     ("sft.py", ["--batch-size", "3", "--micro-batch-size", "2"], "--batch-size"),
     ("sft.py", ["--tasks-per-scenario", "0"], "--tasks-per-scenario"),
     ("sft.py", ["--user", "none"], "--user"),
+    ("rl_trl.py", ["--group-size", "1"], "--group-size"),
+    ("rl_trl.py", ["--domains", "nope"], "--domains"),
+    ("rl_trl.py", ["--tasks", "3", "--group-size", "4", "--micro-batch", "5"], "--micro-batch"),
+    ("rl_trl.py", ["--vllm", "colocate"], "--vllm"),
     ("sampler.py", ["--domain", "nope"], "--domain"),
     ("sampler.py", ["--tasks", "0"], "--tasks"),
 ]
