@@ -1,6 +1,6 @@
 """The GPU code path on CPU: a tiny random Qwen3 (tests/tiny_qwen3.py) with Qwen3's special tokens and chat
 template, loaded in bitsandbytes NF4 (fp32 compute on CPU), through the chat format, the sampler, the three
-stages and rl.py --memory-check. Token-exactness with a template that rewrites earlier turns: Qwen3's drops
+stages and kernels/bench_update.py --memory-check. Token-exactness with a template that rewrites earlier turns: Qwen3's drops
 old think blocks when it re-renders a conversation; we never re-render, so what is trained is what was sampled.
 
 Run:  pytest tests/test_qwen3.py -s     # ~1-2 min on 2 cores
