@@ -66,7 +66,7 @@ def fill_preset(args, preset: dict):
     return args
 
 
-def check_args(args, at_least=None, finite=None, domains=True, user=True):
+def check_args(args, at_least=None, finite=None):
     """Exit 2 with one line on the first bad value, before any model loads or any file is written.
     at_least: {flag name: minimum} for ints; finite: {flag name: (low, strict)} for floats (value > low if
     strict, else >= low)."""
@@ -79,7 +79,7 @@ def check_args(args, at_least=None, finite=None, domains=True, user=True):
         v = getattr(args, name)
         if v is not None and (not math.isfinite(v) or v < low or (strict and v == low)):
             fail(f"--{name.replace('_', '-')}", f"{v} is not a finite number {'>' if strict else '>='} {low}")
-    if domains and getattr(args, "domains", None) is not None:
+    if getattr(args, "domains", None) is not None:
         for d in args.domains.split(","):
             if d not in worlds.DOMAINS:
                 fail("--domains", f"unknown domain {d!r}; use a comma list of {', '.join(worlds.DOMAINS)}")
@@ -87,10 +87,13 @@ def check_args(args, at_least=None, finite=None, domains=True, user=True):
         for t in args.tiers.split(","):
             if t not in TIERS:
                 fail("--tiers", f"unknown tier {t!r}; use a comma list of {', '.join(TIERS)}")
-    if user and getattr(args, "user", None) is not None:
+    if getattr(args, "user", None) is not None:
         u = args.user
         if u not in ("scripted", "none", "local", "oracle") and not (u.startswith("openai:") and len(u) > 7):
             fail("--user", f"unknown user simulator {u!r}; use {USERS}")
+    ctx, new = getattr(args, "max_context", None), getattr(args, "max_new_tokens", None)
+    if ctx is not None and new is not None and ctx <= new:
+        fail("--max-context", f"{ctx} leaves no room for the prompt beside --max-new-tokens {new}; raise it")
     for name in ("init", "adapter"):
         v = getattr(args, name, None)
         if v not in (None, "auto", "base") and not os.path.isfile(os.path.join(v, "adapter_config.json")):

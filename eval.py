@@ -113,9 +113,6 @@ def parse_args(argv=None):
         if spec not in ("base", "sft", "rl") and not spec.startswith("openai:") and \
                 not os.path.isfile(os.path.join(spec, "adapter_config.json")):
             common.fail("--agents", f"{spec!r} is not base, sft, rl, openai:MODEL or an adapter dir")
-    if args.max_context <= args.max_new_tokens:
-        common.fail("--max-context", f"{args.max_context} leaves no room for the prompt beside --max-new-tokens "
-                    f"{args.max_new_tokens}; raise it")
     return args
 
 

@@ -120,9 +120,6 @@ def parse_args(argv=None):
                                           user_workers=1),
                       finite=dict(lr=(0, True), kl_coef=(0, False), clip=(0, True), temperature=(0, True),
                                   max_grad_norm=(0, True), weight_decay=(0, False), max_sim_failures=(0, False)))
-    if args.max_context <= args.max_new_tokens:
-        common.fail("--max-context", f"{args.max_context} leaves no room for the prompt beside --max-new-tokens "
-                    f"{args.max_new_tokens}; raise it")
     if args.rollouts and not os.path.isdir(args.rollouts):
         common.fail("--rollouts", f"{args.rollouts} is not a dir; use another run's <out>/rollouts")
     if args.user == "oracle":
@@ -351,7 +348,7 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
             raise SystemExit(f"step {step + 1}: {len(failed)} of {len(trajs)} rollouts lost their simulator, more "
                              f"than --max-sim-failures {args.max_sim_failures}: {failed[0].stats.get('error')}")
         lost += len(failed)
-        groups = [[t for t in trajs[i * G:(i + 1) * G] if not t.failed] for i in range(len(tasks))]
+        groups = [[t for t in trajs[i * G:(i + 1) * G] if not t.failed] for i in range(len(trajs) // G)]
         drawn += groups
         varied += [g for g in groups if len({t.reward for t in g}) > 1]    # the rest carry no signal
         if len(varied) >= args.tasks:

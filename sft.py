@@ -300,12 +300,12 @@ def make_data(args, tokenizer) -> list[dict]:
             trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
                                          user=args.user, max_turns=args.max_turns, seed=args.seed,
                                          max_context=max(args.max_len, 8192),   # τ²'s prompts alone are 5-8k tokens
-                                         progress=True, user_workers=args.user_workers)
-            tools = {t.id: worlds.make_env(t).tools for t in tasks}
+                                         progress=True, **common.user_kwargs(args))
+            by_id = {t.id: t for t in tasks}
             for t in trajs:
                 tried[f"{domain}/{t.scenario}"] += 1
-                if t.reward == 1.0:
-                    f.write(json.dumps(openai_record(t, tools[t.task_id])) + "\n")
+                if t.reward == 1.0:      # the task's tools, as its env gives them (ACEBench's differ by task)
+                    f.write(json.dumps(openai_record(t, worlds.make_env(by_id[t.task_id]).tools)) + "\n")
                     kept.append({"task_id": t.task_id, "scenario": f"{domain}/{t.scenario}",
                                  "token_ids": t.token_ids, "loss_mask": t.loss_mask})
     per = {s: {"tried": n, "kept": sum(r["scenario"] == s for r in kept)} for s, n in sorted(tried.items())}

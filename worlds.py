@@ -60,7 +60,7 @@ def oracle_reply(task):
 def reports(domain_scores: dict) -> str:
     """Each world's comparison with the paper, for one agent: domain_scores maps domain -> its scores."""
     out = []
-    for fam, (domains, module, _) in WORLDS.items():
+    for domains, module, _ in WORLDS.values():
         mine = {d: s for d, s in domain_scores.items() if d in domains}
         report = mine and getattr(importlib.import_module(module), "report", None)
         if report:
