@@ -14,7 +14,7 @@ Run:
     python rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o --vllm colocate       # 1 GPU
     accelerate launch --num_processes 8 rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o \\
         --vllm colocate                    # 8 GPUs: 32 tasks x 8 rollouts a step, 4 tasks a GPU
-GPU machines install requirements-gpu.txt (vLLM 0.31 needs transformers < 5.18); `python kernels/bench_trl.py`
+GPU machines install requirements-gpu.txt (vLLM 0.31 needs transformers < 5.18); `python scripts/bench_trl.py`
 times one step of this file against one of rl.py on the same tasks.
 
 Where this differs from rl.py (TRL's semantics, kept):
@@ -44,7 +44,7 @@ GPU_PRESET = dict(steps=100, tasks=32, group_size=8, max_turns=30, max_new_token
                   micro_batch=1, lr=2e-5, temperature=1.0, domains="retail,airline", tiers="easy,medium,hard",
                   grad_checkpointing="on", vllm="colocate", save_every=10)
 # CPU: rl.py's limits (common.CPU_LIMITS), 2 tasks x 4 rollouts: transformers generate re-reads the conversation
-# every turn, so a CPU step costs several times rl.py's (kernels/bench_trl.py).
+# every turn, so a CPU step costs several times rl.py's (scripts/bench_trl.py).
 CPU_PRESET = dict(steps=1, tasks=2, group_size=4, **common.CPU_LIMITS, micro_batch=2, lr=1e-4, temperature=0.7,
                   domains="airline", tiers="easy", grad_checkpointing="off", vllm="off", save_every=1)
 SMOKE = dict(steps=1, tasks=2, group_size=2, max_turns=2, max_new_tokens=8, max_context=2560, micro_batch=2, lr=1e-4,

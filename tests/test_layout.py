@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = sorted(p[:-3] for p in os.listdir(ROOT) if p.endswith(".py")) + ["kernels"]
+MODULES = sorted(p[:-3] for p in os.listdir(ROOT) if p.endswith(".py")) + ["kernels", "scripts"]
 STAGES = {"sft", "rl", "rl_trl", "eval"}
 WORLD_SIDE = {"databases", "envs", "users"}          # ours; a benchmark module sits between it and worlds
 
@@ -17,9 +17,8 @@ WORLD_SIDE = {"databases", "envs", "users"}          # ours; a benchmark module 
 def imports_of(name: str) -> set:
     """Our modules that `name` imports anywhere in its source, inside functions included, plus (for worlds.py)
     the modules its table names, which it imports by name."""
-    path = os.path.join(ROOT, "kernels" if name == "kernels" else f"{name}.py")
-    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py") and not f.startswith("bench")] \
-        if os.path.isdir(path) else [path]
+    path = os.path.join(ROOT, name if name in ("kernels", "scripts") else f"{name}.py")
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")] if os.path.isdir(path) else [path]
     names = set()
     for f in files:
         tree = ast.parse(open(f).read())
@@ -59,14 +58,20 @@ def test_the_world_side_imports_no_benchmark_and_nothing_of_the_model_side():
     assert imports_of("rollout") == {"users", "worlds"}
 
 
-def test_stages_do_not_import_each_other_and_nothing_imports_a_stage():
+def test_stages_do_not_import_each_other_and_nothing_imports_a_stage_or_a_script():
     for m in MODULES:
         assert not imports_of(m) & STAGES, f"{m} imports the stage(s) {imports_of(m) & STAGES}"
+        assert "scripts" not in imports_of(m), f"{m} imports scripts/, which only the stages' users run"
+
+
+def test_kernels_holds_kernels_and_their_own_benchmark_only():
+    """Benchmarks of whole stages live in scripts/: kernels/ imports nothing of the loop or the stages."""
+    assert imports_of("kernels") == set(), imports_of("kernels")
 
 
 def test_no_file_is_over_700_lines():
-    for path in [p for p in os.listdir(ROOT) if p.endswith(".py")] + ["kernels/" + p for p in os.listdir(
-            os.path.join(ROOT, "kernels")) if p.endswith(".py")]:
+    for path in [p for p in os.listdir(ROOT) if p.endswith(".py")] + [f"{d}/{p}" for d in ("kernels", "scripts")
+                                                                       for p in os.listdir(os.path.join(ROOT, d)) if p.endswith(".py")]:
         n = sum(1 for _ in open(os.path.join(ROOT, path)))
         assert n <= 700, f"{path} has {n} lines"
 

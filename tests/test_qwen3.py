@@ -1,6 +1,6 @@
 """The GPU code path on CPU: a tiny random Qwen3 (tests/tiny_qwen3.py) with Qwen3's special tokens and chat
 template, loaded in bitsandbytes NF4 (fp32 compute on CPU), through the chat format, the sampler, the three
-stages and kernels/bench_update.py --memory-check. Token-exactness with a template that rewrites earlier turns: Qwen3's drops
+stages and scripts/bench_update.py --memory-check. Token-exactness with a template that rewrites earlier turns: Qwen3's drops
 old think blocks when it re-renders a conversation; we never re-render, so what is trained is what was sampled.
 
 Run:  pytest tests/test_qwen3.py -s     # ~1-2 min on 2 cores
@@ -175,7 +175,7 @@ def test_sft_rl_eval_run_on_tiny_qwen3_in_4bit_with_checkpointing(qwen3_dir, tmp
 
 
 def test_memory_check_runs_on_cpu_at_tiny_qwen3_shapes():
-    out = subprocess.run([sys.executable, "kernels/bench_update.py", "--memory-check"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "scripts/bench_update.py", "--memory-check"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("memory-check (cpu)"))
     print(line)
@@ -184,7 +184,7 @@ def test_memory_check_runs_on_cpu_at_tiny_qwen3_shapes():
 
 
 def test_memory_check_model_is_nf4_with_lora_on_every_decoder_projection():
-    from kernels.bench_update import nf4_lora_model, qwen3_shapes
+    from scripts.bench_update import nf4_lora_model, qwen3_shapes
     model = nf4_lora_model(qwen3_shapes(tiny=True), "cpu")
     modules = dict(model.named_modules())
     nf4 = [n for n, m in modules.items() if type(m).__name__ == "Linear4bit"]     # peft keeps each as base_layer

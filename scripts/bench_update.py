@@ -1,4 +1,4 @@
-"""The GRPO update's cost, measured: python kernels/bench_update.py [--memory-check] [--init ADAPTER].
+"""The GRPO update's cost, measured: python scripts/bench_update.py [--memory-check] [--init ADAPTER].
 
   (default)        seconds of one rl.grpo_update of --init's adapter on a default-sized group, timed four
                    ways after an untimed warm-up, each against the first in the same run: fp32 with the

@@ -3,7 +3,7 @@
 Both sides: the same model (--init base), the same train tasks (the first --tasks/2 easy train tasks of retail and of
 airline: both stages' train pools are cut to exactly those, so each draws all of them), the same group size, turn
 cap, tokens per turn, temperature, learning rate, micro-batch and fp32 update (rl.py --train-bf16 off). Each runs as
-its own subprocess (`python kernels/bench_trl.py --child STAGE ...` -> STAGE.main(argv)), so its peak RSS is its own
+its own subprocess (`python scripts/bench_trl.py --child STAGE ...` -> STAGE.main(argv)), so its peak RSS is its own
 (os.wait4). By default rollout t of each group scores t % 2, so every group has reward variance and both update on
 every group (rl.py skips groups without variance, TRL does not): this measures cost, not learning; --real-rewards
 keeps Env.reward.
@@ -13,8 +13,8 @@ prefilled once) and runs the update once over the shared system prompt, with no 
 reference is the policy); rl_trl.py samples through TRL's transformers generate (the whole conversation fed again
 each turn) and TRL runs a reference pass, then the loss pass, over every full sequence.
 
-Run:  python kernels/bench_trl.py                     # 2 tasks x 4 rollouts, 3 turns, 32 tokens a turn
-      python kernels/bench_trl.py --model PATH --tasks 4 --group-size 8
+Run:  python scripts/bench_trl.py                     # 2 tasks x 4 rollouts, 3 turns, 32 tokens a turn
+      python scripts/bench_trl.py --model PATH --tasks 4 --group-size 8
 """
 import argparse
 import importlib
@@ -67,7 +67,7 @@ def child(stage: str, task_ids: list[str], real_rewards: bool, argv: list[str]):
 
 
 def run(stage, task_ids, args, argv):
-    """-> (wall seconds, peak RSS GiB, return code) of `python kernels/bench_trl.py --child STAGE ...`."""
+    """-> (wall seconds, peak RSS GiB, return code) of `python scripts/bench_trl.py --child STAGE ...`."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--task-ids", ",".join(task_ids)] + \
         (["--real-rewards"] if args.real_rewards else []) + ["--"] + argv
     t0 = time.time()
