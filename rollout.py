@@ -290,6 +290,14 @@ class TextAgent:
         return [(x, [0.0] * len(x)) for x in ids]
 
 
+class OracleAgent(TextAgent):
+    """The world's gold agent (worlds.oracle_reply): cold-start data (sft.py) and the agent that solves every task
+    in tests."""
+
+    def respond(self, task, messages: list[dict]) -> str:
+        return worlds.oracle_reply(task, messages)
+
+
 class OpenAIAgent(TextAgent):
     """Any OpenAI-compatible chat endpoint as the agent (a baseline), speaking our Hermes text format.
 

@@ -3,9 +3,9 @@ their task, and fine-tune a LoRA adapter on the agent's tokens only. The loop is
 
 What it does
   1. Data. An agent talks to the simulated user through rollout.run_episodes (the same loop and token
-     format as RL) on train-split tasks. The agent is the OracleAgent below (follows the task's gold
-     actions in one short, fixed style: ask for missing facts, look up, ask to confirm naming every
-     value, act on a yes, report) or any OpenAI-compatible teacher model (--teacher). Only reward == 1
+     format as RL) on train-split tasks. The agent is the world's gold agent (rollout.OracleAgent; ours
+     is oracle.py: ask for missing facts, look up, ask to confirm naming every value, act on a yes,
+     report) or any OpenAI-compatible teacher model (--teacher). Only reward == 1
      conversations are kept: <out>/data.jsonl (OpenAI format: messages + tools), <out>/tokens.jsonl
      (the exact token_ids / loss_mask we train on, never decoded and re-tokenized), data_stats.json.
   2. SFT. LoRA on all linear projections (QLoRA with --load-in-4bit). Loss = mean negative log-prob
@@ -46,7 +46,6 @@ import json
 import math
 import os
 import random
-import re
 import sys
 import time
 from collections import Counter
@@ -56,10 +55,8 @@ import torch
 import common
 import envs
 import rollout
-import users
 import worlds
 from kernels import backward_with_shared_prefix, shared_prefix_len
-from rollout import TextAgent
 
 
 # Sizes by machine: cpu is sized for ~10 minutes on 2 cores, gpu follows the paper's data size.
@@ -130,146 +127,11 @@ def parse_args(argv=None):
     return args
 
 
-# ----------------------------------------------------------------------------- the oracle agent
-
-# How the oracle asks for each fact; every phrase holds a word of users.FACT_KEYWORDS[key], which is
-# what the scripted user listens for before it reveals that fact.
-QUESTIONS = {"email": "your email address", "name": "your full name", "zip": "your zip code",
-             "user_id": "your user id", "order_id": "the order id", "reservation_id": "the reservation id",
-             "address": "the new address", "payment_method": "the payment method to use",
-             "item": "which item it is", "option": "which option you want (size, color)",
-             "reason": "the reason", "flight": "which flight you prefer", "insurance": "whether you want insurance",
-             "bags": "how many checked bags you need", "passenger": "the passenger names and dates of birth"}
-IDENTITY_ALTERNATIVES = {"name", "zip"}      # retail: name + zip would also identify; the oracle uses email
-
-
-def _flat(value) -> list[str]:
-    """All leaf values of tool-call arguments, as lowercase strings."""
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _flat(v)]
-    if isinstance(value, list):
-        return [s for v in value for s in _flat(v)]
-    return [str(value).lower()]
-
-
-def _uses(fact: str, action) -> bool:
-    """Does this call need this fact? (the fact's value and an argument contain one another)"""
-    v = str(fact).lower()
-    return any(a == v or (len(a) >= 4 and a in v) or (len(v) >= 4 and v in a) for a in _flat(action.arguments))
-
-
-def _describe(action, task) -> str:
-    """'cancel pending order (order id #W1234567, reason no longer needed)': names every argument, so a
-    confirmation request states ids, new values and the payment method, as the policies ask. A new bag
-    total shows its sum ("total baggages 1 + 2 = 3"): the current count is in the reservation the
-    agent looked up, the added count in the user's request."""
-    def show(k, v):
-        if isinstance(v, bool):
-            return "yes" if v else "no"
-        if isinstance(v, dict):
-            return " ".join(show(k, x) for x in v.values())
-        if isinstance(v, list):
-            return ", ".join(show(k, x) for x in v)
-        more = re.fullmatch(r"(\d+) more", task.hidden_facts.get("bags", ""))
-        return f"{v - int(more[1])} + {more[1]} = {v}" if k == "total_baggages" and more else str(v)
-    args = "; ".join(f"{k.replace('_', ' ')} {show(k, v)}" for k, v in action.arguments.items())
-    return f"{action.name.replace('_', ' ')} ({args})"
-
-
-def _heard(value: str, heard: str) -> bool:
-    """Did the user say this fact? Its value, or for a cancel reason the user's own words for it."""
-    return str(value).lower() in heard or envs.REASONS.get(value, "\0").lower() in heard
-
-
-class OracleAgent(TextAgent):
-    """Follows task.gold_actions in one short, fixed style (a 135M student copies a consistent
-    teacher more easily than a varied one).
-
-    Stateless: where it is in the plan is read off the conversation (how many tool calls it has made,
-    which facts it has heard or asked for, whether the user just said yes to its confirmation request),
-    so one instance serves a whole batch. Plan: ask for the facts the next steps need (all in one
-    message), look up (a turn that is only the tool call), ask to confirm each write naming every
-    argument, make the call after a yes, then report what was done (or refuse, saying why).
-    """
-
-    def confirmation(self, task, action) -> str:
-        """'Please confirm: <the call, every argument named>. Yes or no?' A bag update first says the
-        request back in the user's words ("add 2 more checked bags to reservation ..."): the 135M student
-        did not fetch the number from the opening, two tool results back, for the sum "0 + 2 = 2", but it
-        copies the number after the same words it followed there, and the sum can then use it."""
-        more = re.fullmatch(r"(\d+) more", task.hidden_facts.get("bags", ""))
-        if action.name == "update_reservation_baggages" and more:
-            k, rid = int(more[1]), action.arguments["reservation_id"]
-            request = f"add {k} more checked bag{'s' * (k > 1)} to reservation {rid}, "
-        else:
-            request = ""
-        return f"Please confirm: {request}{_describe(action, task)}. Yes or no?"
-
-    def respond(self, task, messages: list[dict]) -> str:
-        if world_oracle := worlds.oracle_reply(task):   # a benchmark's own gold agent (τ², ACEBench)
-            return world_oracle(task, messages)
-        writes = envs.WRITE_TOOLS[task.domain]
-        agent = [m for m in messages if m["role"] == "assistant"]
-        heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
-        asked = " ".join(m["content"] for m in agent).lower()
-        n_calls = sum(bool(m.get("tool_calls")) for m in agent)
-        writes_done = sum(m["tool_calls"][0]["name"] in writes for m in agent if m.get("tool_calls"))
-        if n_calls < len(task.gold_actions):
-            action = task.gold_actions[n_calls]
-            # 1. facts the steps up to the next write need, and (before the first write) facts no call
-            #    uses but a careful agent asks anyway (insurance, bags, which item): ask them together
-            upcoming = []
-            for a in task.gold_actions[n_calls:]:
-                upcoming.append(a)
-                if a.name in writes:
-                    break
-            first_write = upcoming[-1].name in writes and writes_done == 0
-            missing = [k for k, v in task.hidden_facts.items()
-                       if k not in IDENTITY_ALTERNATIVES and not _heard(v, heard)
-                       and not any(w in asked for w in users.FACT_KEYWORDS[k])
-                       and (any(_uses(v, a) for a in upcoming)
-                            or (first_write and not any(_uses(v, a) for a in task.gold_actions)))]
-            if missing:
-                q = [QUESTIONS.get(k, f"your {users.FACT_KEYWORDS[k][0]}") for k in missing]
-                return f"Please give me {', '.join(q[:-1]) + ' and ' * (len(q) > 1) + q[-1]}."
-            call = "<tool_call>\n" + json.dumps({"name": action.name, "arguments": action.arguments}) + "\n</tool_call>"
-            if action.name not in writes:
-                return call
-            # 2. a write: ask to confirm (naming every argument, so every confirm term); act after a yes
-            confirm = self.confirmation(task, action)
-            if agent and agent[-1]["content"] == confirm and _is_yes(messages[-1]["content"]):
-                return call
-            return confirm
-        # 3. every gold call made: report what was done, or refuse and say why
-        if messages[-1]["role"] == "user":
-            return "Is there anything else I can help with?"
-        return self.report(task)
-
-    @staticmethod
-    def report(task) -> str:
-        facts, out = task.hidden_facts, task.required_outputs
-        if task.scenario == "refuse_cancel_delivered":
-            return (f"Sorry, I can't cancel order {facts['order_id']}: it is already {out[0]}, "
-                    "and only pending orders can be cancelled.")
-        if task.scenario == "refuse_cancel_uninsured":
-            return (f"Sorry, I can't cancel reservation {facts['reservation_id']}: it is in economy without travel "
-                    f"{out[0]}, and only insured or business-cabin reservations can be cancelled.")
-        if task.scenario == "order_status_total":
-            return f"Order {facts['order_id']} is {out[0]} and its total is ${out[1]}."
-        done = [_describe(a, task) for a in task.gold_actions if a.name in envs.WRITE_TOOLS[task.domain]]
-        return f"Done: {'; '.join(done)}." + (" " + ", ".join(out) + "." if out else "")
-
-
-def _is_yes(text: str) -> bool:
-    t = text.lower()
-    return any(w in t for w in ("yes", "correct", "go ahead", "proceed", "sure")) and not t.startswith("no")
-
-
 # ----------------------------------------------------------------------------- data
 
 def make_agent(args, tokenizer):
     if args.teacher is None:
-        return OracleAgent(tokenizer)
+        return rollout.OracleAgent(tokenizer)
     return rollout.OpenAIAgent(tokenizer, args.teacher, base_url=args.teacher_base_url, temperature=0.0)
 
 
@@ -470,7 +332,7 @@ def bench(args):
     first, so the process's peak RSS after each way is that way's peak (on CPU)."""
     import resource
     model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
-    trajs = rollout.run_episodes(OracleAgent(tokenizer), tokenizer, envs.make_tasks("retail", "train", 4))
+    trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, envs.make_tasks("retail", "train", 4))
     rows = [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "scenario": f"retail/{t.scenario}"} for t in trajs]
     model, n_tok = rollout.add_lora(model), sum(sum(r["loss_mask"]) for r in rows)
     model.train()

