@@ -5,7 +5,6 @@
   check_args                              bad input caught before any model loads
   start_run                               threads, print and save the arguments, make --out
   user_kwargs                             what run_episodes needs to build the chosen user simulator
-  collate                                 right-padded (B, T) ids / attention / loss-mask tensors
   save_checkpoint, load_checkpoint        one checkpoint layout: the last two kept, the newest verified
 A stage imports this file, the world (worlds) and the loop (rollout); never another stage.
 """
@@ -121,22 +120,6 @@ def user_kwargs(args, model=None, tokenizer=None) -> dict:
     if args.user == "local":
         kw["model"], kw["tokenizer"] = model, tokenizer
     return kw
-
-
-def collate(seqs, pad_id: int, max_len: int | None = None):
-    """seqs: (token_ids, loss_mask) pairs -> input_ids, attention_mask, loss_mask, each (B, T) long, right-padded
-    and cut at max_len. Masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which
-    the policy samples and is trained on."""
-    T = max(len(ids) for ids, _ in seqs)
-    T = min(T, max_len) if max_len else T
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (tok, m) in enumerate(seqs):
-        n = min(T, len(tok))
-        ids[i, :n] = torch.tensor(tok[:n])
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(m[:n])
-    return ids, attn, mask
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -29,7 +29,6 @@ Simplifications versus the paper:
 """
 import contextlib
 import json
-import math
 import os
 import random
 import shutil
@@ -135,15 +134,16 @@ def native_bf16_cpu() -> bool:
 
 # ---------------------------------------------------------------- GRPO pieces (tested)
 
+def has_signal(group) -> bool:
+    """A group whose rewards all agree has advantage 0 everywhere: it teaches nothing, and is not trained on."""
+    return len({t.reward for t in group}) > 1
+
+
 def group_advantages(rewards, group_size, eps=1e-4):
-    """rewards (N,) task-major -> advantages (N,), zero_var (N // G,) bool.
-    (r - mean_group) / (std_group + eps); a group whose rewards are all equal has advantage 0
-    everywhere and carries no signal: zero_var marks it so the loop can skip it."""
+    """rewards (N,) task-major -> advantages (N,): (r - mean_group) / (std_group + eps)."""
     r = rewards.float().view(-1, group_size)                    # (groups, G)
     mean, std = r.mean(1, keepdim=True), r.std(1, unbiased=False, keepdim=True)
-    adv = (r - mean) / (std + eps)
-    zero_var = (r.max(1).values - r.min(1).values) == 0
-    return adv.view(-1), zero_var
+    return ((r - mean) / (std + eps)).view(-1)
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, agg="token-mean", n_tokens=None,
@@ -180,65 +180,47 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, agg="to
 
 
 def grpo_update(model, optimizer, trajs, adv, args, pad_id, ref_is_policy=False):
-    """Steps 5-7 for the trajectories of groups with signal: log-probs (policy, old, reference),
-    loss, backward, clip, AdamW. Returns summed stats for logging.
-    Trajectories of one domain share its system prompt: without activation checkpointing it goes
-    through the model once per pass for all of them (kernels.*_with_shared_prefix, exact).
-    ref_is_policy: no optimizer step since RL started, so the reference IS the policy before this
-    update and its log-probs are the old ones: the reference pass is skipped (exact: KL 0 and its
-    gradient 0). args.train_bf16: the passes run under bf16 autocast (weights, LoRA and AdamW stay fp32)."""
-    from kernels import backward_with_shared_prefix, logprobs_with_shared_prefix, shared_prefix_len
+    """One GRPO update on the kept groups' rollouts: the reference's (and old policy's) log-probs, then per
+    mini-batch: the policy's log-probs -> grpo_loss -> backward -> clip -> AdamW. Returns stats summed for the log.
+    With --mini-batches 1 (the default) the rollouts were sampled by the policy being updated, so the old log-probs
+    are the policy's own, detached: the ratio is exactly 1 and the clip never acts. It acts from the second
+    optimizer step on the same rollouts (--mini-batches > 1), or on stale samples.
+    ref_is_policy: no optimizer step since RL started, so the reference IS the policy and its pass is skipped
+    (exact: KL 0 and its gradient 0). args.train_bf16: the passes run under bf16 autocast (weights, LoRA and
+    AdamW stay fp32). Batching: kernels.prefix_batches (a domain's system prompt runs once a pass)."""
+    from kernels import backward_with_shared_prefix, batch_logprobs, prefix_batches, split_mini_batches
     dev = next(p for p in model.parameters() if p.requires_grad).device
-    parts = {}                                   # domain -> its trajectories, shortest first (less padding)
-    for i in sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids)):
-        parts.setdefault(getattr(trajs[i], "domain", None), []).append(i)
-    micro = []                                   # micro-batches, each within one domain
-    for idx in parts.values():
-        P = 0 if args.grad_checkpointing == "on" else shared_prefix_len([trajs[i].token_ids for i in idx],
-                                                                          [trajs[i].loss_mask for i in idx])
-        prefix = torch.tensor(trajs[idx[0]].token_ids[:P], dtype=torch.long, device=dev)
-        for s in range(0, len(idx), args.micro_batch):
-            mb = idx[s:s + args.micro_batch]
-            ids, attn, mask = (x[:, P:].to(dev) for x in common.collate([(trajs[i].token_ids, trajs[i].loss_mask)
-                                                                         for i in mb], pad_id))
-            micro.append(dict(prefix=prefix, ids=ids, attn=attn, mask=mask, adv=adv[mb].to(dev)))
-
-    def by_prefix(mbs):                          # [(prefix, its micro-batches)], in order
-        out = {}
-        for mb in mbs:
-            out.setdefault(id(mb["prefix"]), (mb["prefix"], []))[1].append(mb)
-        return list(out.values())
-    inputs = lambda mbs: [(mb["ids"], mb["attn"], mb["mask"]) for mb in mbs]     # noqa: E731
+    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))     # shortest first: less padding
+    trajs, adv = [trajs[i] for i in order], adv[order].to(dev)
+    batches = prefix_batches([t.token_ids for t in trajs], [t.loss_mask for t in trajs],
+                             [getattr(t, "domain", None) for t in trajs], args.micro_batch, pad_id,
+                             share=args.grad_checkpointing == "off", device=dev)
     bf16 = torch.autocast(dev.type, torch.bfloat16, enabled=args.train_bf16 == "on")
-    with torch.no_grad(), bf16:  # before any update: reference (unless it is the policy), old policy if it can differ
-        for prefix, mbs in by_prefix(micro):
-            if not ref_is_policy:
-                with reference_policy(model):
-                    for mb, ref in zip(mbs, logprobs_with_shared_prefix(model, prefix, inputs(mbs), args.temperature)):
-                        mb["ref"] = ref
-            if args.mini_batches > 1:
-                for mb, old in zip(mbs, logprobs_with_shared_prefix(model, prefix, inputs(mbs), args.temperature)):
-                    mb["old"] = old
+    with torch.no_grad(), bf16:                   # log-probs before any update: {micro-batch rows: (b, T)}
+        if ref_is_policy:
+            ref = {}
+        else:
+            with reference_policy(model):
+                ref = batch_logprobs(model, batches, args.temperature)
+        old = batch_logprobs(model, batches, args.temperature) if args.mini_batches > 1 else {}
     params = [p for p in model.parameters() if p.requires_grad]
     total = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
-    per = math.ceil(len(micro) / args.mini_batches)
-    for s in range(0, len(micro), per):
-        chunk = micro[s:s + per]
-        n_tokens = max(1, sum(int(mb["mask"].sum()) for mb in chunk))
-        n_seqs = sum(len(mb["ids"]) for mb in chunk)
+    for part in split_mini_batches(batches, args.mini_batches):
+        n_tokens = max(1, sum(int(mask.sum()) for b in part for _, _, mask in b.micro))
+        n_seqs = sum(len(ids) for b in part for ids, _, _ in b.micro)
         optimizer.zero_grad(set_to_none=True)
-        for prefix, mbs in by_prefix(chunk):     # gradients add up over the domains of the mini-batch
+        for b in part:                            # gradients add up over the domains of the mini-batch
 
-            def loss_of(i, logp, mbs=mbs):       # logp: (b, T - P), with grad
-                mb = mbs[i]
-                old = mb["old"] if "old" in mb else logp.detach()
-                loss, st = grpo_loss(logp, old, mb.get("ref", old), mb["adv"], mb["mask"], args.clip, args.kl_coef,
-                                     args.loss_agg, n_tokens, n_seqs)
+            def loss_of(j, logp, b=b):            # logp: (rows, T - P) of micro-batch j, with grad
+                rows = tuple(b.rows[j])
+                old_logp = old.get(rows, logp.detach())
+                loss, st = grpo_loss(logp, old_logp, ref.get(rows, old_logp), adv[list(rows)], b.micro[j][2],
+                                     args.clip, args.kl_coef, args.loss_agg, n_tokens, n_seqs)
                 for k in ("kl_sum", "clipped", "tokens"):
                     total[k] += st[k]
                 return loss
             with bf16:
-                backward_with_shared_prefix(model, prefix, inputs(mbs), loss_of, args.temperature)
+                backward_with_shared_prefix(model, b.prefix, b.micro, loss_of, args.temperature)
         total["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         optimizer.step()
         total["updates"] += 1
@@ -350,7 +332,7 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
         lost += len(failed)
         groups = [[t for t in trajs[i * G:(i + 1) * G] if not t.failed] for i in range(len(trajs) // G)]
         drawn += groups
-        varied += [g for g in groups if len({t.reward for t in g}) > 1]    # the rest carry no signal
+        varied += [g for g in groups if has_signal(g)]
         if len(varied) >= args.tasks:
             break
     return drawn, varied[:args.tasks], lost
@@ -384,7 +366,7 @@ def step_metrics(step, drawn, kept, lost, st, seconds):
     rewards, sampled = torch.tensor([t.reward for t in rollouts]), sum(sum(t.loss_mask) for t in rollouts)
     per = lambda k: st[k] / max(st["tokens"], 1) if st else None                  # noqa: E731; None: no update
     return dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
-                groups_drawn=len(drawn), groups_varied=sum(len({t.reward for t in g}) > 1 for g in drawn),
+                groups_drawn=len(drawn), groups_varied=sum(map(has_signal, drawn)),
                 groups_trained=len(kept), kl=per("kl_sum"), clip_frac=per("clipped"),
                 grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
                 entropy=-sum(sum(t.logprobs) for t in rollouts) / max(sampled, 1), tokens=sampled,
@@ -447,7 +429,7 @@ def main(argv=None):
         drawn, kept, lost = sample_groups(agent, tok, pools, step, args, user_kw)
         t_roll, st = time.time() - t0, None
         if kept:                                  # 3. advantages within each kept group
-            adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g))[0] for g in kept])
+            adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, pad_id,
                              ref_is_policy=not optimizer.state)

@@ -56,7 +56,7 @@ import common
 import envs
 import rollout
 import worlds
-from kernels import backward_with_shared_prefix, shared_prefix_len
+from kernels import backward_with_shared_prefix, prefix_batches, shared_prefix_len
 
 
 # Sizes by machine: cpu is sized for ~10 minutes on 2 cores, gpu follows the paper's data size.
@@ -194,22 +194,13 @@ def make_data(args, tokenizer) -> list[dict]:
 def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
-    goes through the model once for the group (kernels.backward_with_shared_prefix, exact)."""
-    dev, mb, total = model.get_input_embeddings().weight.device, args.micro_batch_size, 0.0
+    goes through the model once for the group (kernels.prefix_batches, backward_with_shared_prefix; exact)."""
+    batches = prefix_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
+                             [domain_of(r) for r in batch], args.micro_batch_size, pad,
+                             share=args.share_prefix == "on" and args.grad_checkpointing == "off",
+                             max_len=args.max_len, device=model.get_input_embeddings().weight.device)
     loss_of = lambda i, logp: -logp.sum() / max(1, n_tok)                 # noqa: E731
-    groups = {}
-    for r in batch:                                                       # same domain = same system prompt
-        groups.setdefault(domain_of(r), []).append(r)
-    share = args.share_prefix == "on" and args.grad_checkpointing == "off"
-    for rows in groups.values():
-        P = min(shared_prefix_len([r["token_ids"] for r in rows], [r["loss_mask"] for r in rows]),
-                args.max_len - 1) if share else 0
-        rest = [{"token_ids": r["token_ids"][P:], "loss_mask": r["loss_mask"][P:]} for r in rows]
-        parts = [tuple(t.to(dev) for t in common.collate([(r["token_ids"], r["loss_mask"]) for r in rest[i:i + mb]],
-                                                          pad, args.max_len - P)) for i in range(0, len(rest), mb)]
-        prefix = torch.tensor(rows[0]["token_ids"][:P], dtype=torch.long, device=dev)
-        total += sum(backward_with_shared_prefix(model, prefix, parts, loss_of))
-    return total
+    return sum(sum(backward_with_shared_prefix(model, b.prefix, b.micro, loss_of)) for b in batches)
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:

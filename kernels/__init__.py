@@ -1,5 +1,5 @@
 """Masked per-token log-probs (Triton + PyTorch reference) and training passes that run a shared prefix
-once (kernels/logprobs.py, used by sft.py and rl.py); shared-prefix decoding and LoRA merged while sampling
+once, with the batching they need (kernels/logprobs.py, used by sft.py and rl.py); shared-prefix decoding and LoRA merged while sampling
 (kernels/attention.py, used by sampler.ModelAgent)."""
 import logging
 import os
@@ -20,5 +20,6 @@ class _NotTheHubKernels(logging.Filter):
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotTheHubKernels())
 
-from .logprobs import (backward_with_shared_prefix, logprobs_torch, logprobs_with_shared_prefix,  # noqa: E402,F401
-                       masked_logprobs, masked_logprobs_chunked, sequence_logprobs, shared_prefix_len)
+from .logprobs import (PrefixBatch, backward_with_shared_prefix, batch_logprobs, logprobs_torch,  # noqa: E402,F401
+                       logprobs_with_shared_prefix, masked_logprobs, masked_logprobs_chunked, pad_right,
+                       prefix_batches, sequence_logprobs, shared_prefix_len, split_mini_batches)

@@ -32,6 +32,8 @@ Shared prefix. In a training batch every sequence starts with the same system pr
 its tokens here). `backward_with_shared_prefix` runs that prefix once, with an exact gradient (the
 remainders backprop into detached copies of its keys/values, then one backward goes through the
 prefix); `logprobs_with_shared_prefix` is the no-grad version for reference/old-policy passes.
+`prefix_batches` groups a batch's sequences by prefix and pads the rest into micro-batches for them
+(`PrefixBatch`); `split_mini_batches` cuts those into optimizer steps.
 
 Special values (tested):
   - a row whose logits are all -inf except the target: out = 0, gradient 0.
@@ -44,7 +46,9 @@ Special values (tested):
 Simplifications: no label smoothing, no logit soft-capping or lm_head bias (sequence_logprobs
 refuses such models with a clear error); one program per row (no split-V parallelism for tiny N).
 """
+import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -331,6 +335,61 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
 
 
+def pad_right(seqs, pad_id: int, max_len: int | None = None):
+    """seqs: (token_ids, loss_mask) pairs -> input_ids, attention_mask, loss_mask, each (B, T) long, right-padded
+    and cut at max_len. Masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which
+    the policy samples and is trained on."""
+    T = max(len(ids) for ids, _ in seqs)
+    T = min(T, max_len) if max_len else T
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (tok, m) in enumerate(seqs):
+        n = min(T, len(tok))
+        ids[i, :n] = torch.tensor(tok[:n])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(m[:n])
+    return ids, attn, mask
+
+
+class PrefixBatch(NamedTuple):
+    """Sequences that start with the same untrained prefix (a domain's system prompt), cut into micro-batches."""
+    prefix: torch.Tensor        # (P,) long: run once a pass for every row (P = 0: no sharing)
+    micro: list                 # [(input_ids, attention_mask, loss_mask)], each (b, T - P), the rest of each row
+    rows: list                  # [row indices of each micro-batch], into the sequences given
+
+
+def prefix_batches(token_ids, loss_masks, keys, micro_batch: int, pad_id: int, share: bool = True,
+                   max_len: int | None = None, device=None) -> list[PrefixBatch]:
+    """Group sequences by key (rows of one key share their prefix; keys in first-seen order, rows in the order
+    given), find the longest prefix a group shares and trains on none of (shared_prefix_len; 0 without share),
+    and pad the rest of each row into micro-batches of micro_batch rows, cut at max_len in all."""
+    by_key = {}
+    for i, k in enumerate(keys):
+        by_key.setdefault(k, []).append(i)
+    out = []
+    for idx in by_key.values():
+        P = shared_prefix_len([token_ids[i] for i in idx], [loss_masks[i] for i in idx]) if share else 0
+        P = min(P, max_len - 1) if max_len else P
+        rows = [idx[s:s + micro_batch] for s in range(0, len(idx), micro_batch)]
+        micro = [tuple(x.to(device) for x in pad_right([(token_ids[i][P:], loss_masks[i][P:]) for i in r], pad_id,
+                                                        max_len - P if max_len else None)) for r in rows]
+        out.append(PrefixBatch(torch.tensor(token_ids[idx[0]][:P], dtype=torch.long, device=device), micro, rows))
+    return out
+
+
+def split_mini_batches(batches: list[PrefixBatch], n: int) -> list[list[PrefixBatch]]:
+    """The micro-batches cut into n consecutive parts (one optimizer step each), each part's micro-batches still
+    under their prefix."""
+    flat = [(b, j) for b in batches for j in range(len(b.micro))]
+    per, parts = math.ceil(len(flat) / n), []
+    for s in range(0, len(flat), per):
+        part = {}
+        for b, j in flat[s:s + per]:
+            part.setdefault(id(b), (b, []))[1].append(j)
+        parts.append([PrefixBatch(b.prefix, [b.micro[j] for j in js], [b.rows[j] for j in js]) for b, js in part.values()])
+    return parts
+
+
 def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -> int:
     """How many leading tokens all sequences share and none is trained on, minus one: the token after
     the prefix starts each remainder, and its log-prob needs the prefix's last hidden state."""
@@ -367,6 +426,12 @@ def logprobs_with_shared_prefix(model, prefix_ids, micro_batches, temperature=1.
     kv = _prefix_kv(model, prefix_ids)
     return [sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=_cache(kv, len(ids)))
             for ids, attn, mask in micro_batches]
+
+
+def batch_logprobs(model, batches: list[PrefixBatch], temperature=1.0) -> dict:
+    """logprobs_with_shared_prefix of every micro-batch -> {tuple(its rows): logp (b, T - P)}. Under no_grad."""
+    return {tuple(rows): lp for b in batches
+            for rows, lp in zip(b.rows, logprobs_with_shared_prefix(model, b.prefix, b.micro, temperature))}
 
 
 def backward_with_shared_prefix(model, prefix_ids, micro_batches, loss_of, temperature=1.0, chunk=4096):

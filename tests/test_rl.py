@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common import collate
-from rl import group_advantages, grpo_loss, grpo_update, reference_policy
+from kernels import pad_right, prefix_batches, split_mini_batches
+from rl import group_advantages, grpo_loss, grpo_update, has_signal, reference_policy
 
 
 def batch_trajectories(trajs, pad_id):
-    return collate([(t.token_ids, t.loss_mask) for t in trajs], pad_id)
+    return pad_right([(t.token_ids, t.loss_mask) for t in trajs], pad_id)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,19 +27,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_group_advantages_normalise_per_group():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0,   1.0, 1.0, 0.0, 0.0])   # two groups of G=4
-    adv, zero_var = group_advantages(r, 4, eps=0.0)
+    adv = group_advantages(r, 4, eps=0.0)
     # group 0: mean 0.25, population std sqrt(0.25*0.75)=0.4330
     s = math.sqrt(0.25 * 0.75)
     assert torch.allclose(adv[:4], torch.tensor([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s]))
     assert torch.allclose(adv[4:], torch.tensor([1.0, 1.0, -1.0, -1.0]))
     assert torch.allclose(adv.view(2, 4).mean(1), torch.zeros(2), atol=1e-6)
-    assert zero_var.tolist() == [False, False]
 
 
-def test_zero_variance_groups_are_flagged_and_have_zero_advantage():
+def test_zero_variance_groups_have_no_signal_and_zero_advantage():
     r = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.5])     # G=2: groups (0,0) (1,1) (1,0) (.5,.5)
-    adv, zero_var = group_advantages(r, 2)
-    assert zero_var.tolist() == [True, True, False, True]
+    adv = group_advantages(r, 2)
+    groups = [[SimpleNamespace(reward=x) for x in r[i:i + 2].tolist()] for i in range(0, 8, 2)]
+    assert [has_signal(g) for g in groups] == [False, False, True, False]
     assert adv[[0, 1, 2, 3, 6, 7]].abs().max().item() == 0.0
     assert adv[4].item() == pytest.approx(1.0, abs=1e-3) and adv[5].item() == pytest.approx(-1.0, abs=1e-3)
 
@@ -101,6 +101,22 @@ def test_negative_advantage_clips_low_side():
     assert loss.item() == pytest.approx(0.8) and st["clipped"] == 1   # min(-0.5, -0.8) = -0.8
 
 
+def test_prefix_batches_share_each_keys_prefix_and_split_into_steps():
+    """Rows of one key (domain) share their untrained prefix, run once; the rest of each row is padded into
+    micro-batches; cutting them into mini-batches keeps every micro-batch whole and under its prefix."""
+    sys_a, sys_b = [9, 8, 7, 6], [5, 4, 3]
+    ids = [sys_a + [1, 2], sys_b + [1], sys_a + [3], sys_a + [4, 5, 6]]
+    masks = [[0] * 4 + [1, 1], [0] * 3 + [1], [0] * 4 + [1], [0] * 4 + [1, 1, 1]]
+    batches = prefix_batches(ids, masks, ["a", "b", "a", "a"], micro_batch=2, pad_id=0)
+    assert [b.prefix.tolist() for b in batches] == [[9, 8, 7], [5, 4]]   # minus one: the last predicts row 1
+    assert [b.rows for b in batches] == [[[0, 2], [3]], [[1]]]
+    first_ids, _, first_mask = batches[0].micro[0]
+    assert first_ids.tolist() == [[6, 1, 2], [6, 3, 0]] and first_mask.tolist() == [[0, 1, 1], [0, 1, 0]]
+    parts = split_mini_batches(batches, 2)
+    assert [[b.rows for b in part] for part in parts] == [[[[0, 2], [3]]], [[[1]]]]
+    assert [b.prefix.tolist() for b in prefix_batches(ids, masks, ["a"] * 4, 4, 0, share=False)] == [[]]
+
+
 def test_collate_masks_from_positions_not_pad_ids():
     eos = 2                                            # pad == eos: the trained end-of-turn token is id 2 too
     a = SimpleNamespace(token_ids=[5, 6, 7, eos], loss_mask=[0, 0, 1, 1])
@@ -148,7 +164,7 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
             ref = sequence_logprobs(model, ids, attn, mask)
     _, st = grpo_loss(pol, pol, ref, torch.ones(4), mask)
     assert st["kl_sum"] == 0.0
-    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     total = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
@@ -173,7 +189,7 @@ def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
     for t in trajs[1:]:
         t.token_ids[:5] = trajs[0].token_ids[:5]
     ids, attn, mask = batch_trajectories(trajs, pad_id=2)
-    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
 
     def score():
         with torch.no_grad():
@@ -219,7 +235,7 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     assert st["kl_sum"] / st["tokens"] > 1e-3          # the adapter-off base would NOT read 0
     ref_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ref." in n}
     assert ref_before and not any(p.requires_grad for n, p in model.named_parameters() if ".ref." in n)
-    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     first = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
     print(f"KL at the first update {first['kl_sum'] / first['tokens']:.2e} (adapter-off base: "
@@ -362,7 +378,7 @@ def test_micro_batches_add_up_to_the_whole_batch(agg):
 def test_mini_batches_make_ratio_depart_from_one():
     model = tiny_lora_model()
     trajs = fake_trajs()
-    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
     args = SimpleNamespace(**{**vars(ARGS), "mini_batches": 2})
     total = grpo_update(model, opt, trajs, adv, args, pad_id=2)
