@@ -1,11 +1,17 @@
 """common.py: what the stages (sft.py, rl.py, rl_trl.py, eval.py) share, written once.
 
-  Parser, add_model_args, add_user_args   the flags every stage takes, one line per bad value (exit 2)
-  fill_preset, CPU_LIMITS                 presets: the CPU turn/token limits training and eval share
+  Parser, fail                            argparse with one line per bad value (exit 2)
+  add_run_args, add_model_args,           the flags stages share: seed/out/smoke/preset, the model, the user,
+  add_user_args, add_episode_args,        an episode's limits, and the GRPO flags of rl.py and rl_trl.py
+  add_grpo_args
+  fill_preset, CPU_LIMITS                 one preset scheme: PRESETS = {"gpu", "cpu", "smoke"} per stage
   check_args                              bad input caught before any model loads
-  start_run                               threads, print and save the arguments, make --out
+  start_run                               threads, print and save the arguments, make --out, refuse a resume
+                                          with other settings
   user_kwargs                             what run_episodes needs to build the chosen user simulator
-  save_checkpoint, load_checkpoint        one checkpoint layout: the last two kept, the newest verified
+  figure, save_figure                     matplotlib without a display, for each stage's PNG
+  save_checkpoint, resume                 one checkpoint layout: the last two kept, the newest verified, and
+                                          one way to resume from it (adapter, optimizer, scheduler, RNG, metrics)
 A stage imports this file, the world (worlds) and the loop (rollout); never another stage.
 """
 import argparse
@@ -38,6 +44,15 @@ def fail(flag: str, message: str):
     raise SystemExit(2)
 
 
+def add_run_args(p, out: str, smoke: str):
+    """--seed, --out, --smoke and --preset: how every stage is started."""
+    p.add_argument("--seed", type=int, default=0, help="seed for tasks, users and sampling")
+    p.add_argument("--out", default=out, help="everything this run writes goes here")
+    p.add_argument("--smoke", action="store_true", help=smoke)
+    p.add_argument("--preset", default="auto", choices=["auto", "cpu", "gpu"], help="the sizes of every flag left "
+                   "unset (the stage's PRESETS): auto = gpu with CUDA, else cpu; --smoke overrides")
+
+
 def add_model_args(p, model_default=None, sampler=True):
     """--model and --load-in-4bit; with sampler (a stage that samples from the model) --thinking, --kv-budget."""
     p.add_argument("--model", default=model_default, help="HF model id or local path; default: the bundled "
@@ -57,9 +72,49 @@ def add_user_args(p, default="scripted"):
     p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
 
 
-def fill_preset(args, preset: dict):
-    """Every flag left at None takes the preset's value."""
-    for k, v in preset.items():
+def add_episode_args(p, tokens: bool = True):
+    """An episode's limits (preset); tokens: also the agent's tokens per turn and the context."""
+    p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset; paper 30)")
+    if tokens:
+        p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
+        p.add_argument("--max-context", type=int, default=None, help="episode token limit (preset)")
+
+
+def add_grpo_args(p):
+    """The flags of GRPO itself, the same in rl.py and rl_trl.py (TRL's names in brackets)."""
+    p.add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at it), 'base' (no "
+                   "cold start: a fresh LoRA, the reference the base model), or 'auto' = runs/sft/adapter if present "
+                   "else base")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
+    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
+    p.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward (Env.reward)")
+    p.add_argument("--domains", default=None, help="comma-separated train domains (preset)")
+    p.add_argument("--tiers", default=None, help="task tiers to train on (preset)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps (preset); a larger value resumes a run")
+    p.add_argument("--tasks", type=int, default=None, help="groups trained per step (preset; paper 32)")
+    p.add_argument("--group-size", type=int, default=None, help="rollouts per task G [num_generations] (preset; "
+                   "paper 8)")
+    add_episode_args(p)
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (preset; paper 1.0)")
+    p.add_argument("--kl-coef", type=float, default=0.001, help="beta for the k3 KL to the reference (paper 0.001) "
+                   "[beta; TRL's default is 0]")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon, both sides (paper 0.2) [epsilon]")
+    p.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean: every "
+                   "sampled token weighs the same (DAPO, the official code) [dapo]; seq-mean: every rollout does "
+                   "(GRPO paper) [grpo]")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (preset)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward "
+                   "[per_device_train_batch_size] (preset)")
+    p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"], help="recompute activations in "
+                   "backward (preset: GPU on; CPU off, which lets the system prompt run once per pass)")
+
+
+def fill_preset(args, presets: dict):
+    """Every flag left at None takes the value of the stage's preset: presets["smoke"] with --smoke, else
+    presets[--preset] (auto: "gpu" where CUDA is, else "cpu")."""
+    name = "smoke" if args.smoke else args.preset if args.preset != "auto" else \
+        "gpu" if torch.cuda.is_available() else "cpu"
+    for k, v in presets[name].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
     return args
@@ -100,16 +155,25 @@ def check_args(args, at_least=None, finite=None):
                  + (" or pass --init base" if name == "init" else ""))
 
 
-def start_run(args, out: str | None = None):
+def start_run(args, out: str | None = None, may_change=None):
     """The run's preamble: 2 torch threads on a CPU (a shared 2-core machine), the arguments printed and
-    saved as <out>/args.json."""
+    saved as <out>/args.json (when given). may_change: when given, a rerun that would resume <out>'s checkpoints with any
+    other argument changed is refused (one line), since it would mix two runs in one."""
     if not torch.cuda.is_available():
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     print(vars(args))
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "args.json"), "w") as f:
-            json.dump(vars(args), f, indent=1)
+    if out is None:
+        return
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "args.json")
+    if may_change is not None and checkpoints(out) and os.path.exists(path):
+        with open(path) as f:
+            before = {k: v for k, v in json.load(f).items() if k not in may_change}
+        diff = {k: (before.get(k), v) for k, v in vars(args).items() if k not in may_change and before.get(k) != v}
+        if diff:
+            raise SystemExit(f"{out} holds a run with other settings {diff}: pick another --out or delete it")
+    with open(path, "w") as f:
+        json.dump(vars(args), f, indent=1)
 
 
 def user_kwargs(args, model=None, tokenizer=None) -> dict:
@@ -120,6 +184,21 @@ def user_kwargs(args, model=None, tokenizer=None) -> dict:
     if args.user == "local":
         kw["model"], kw["tokenizer"] = model, tokenizer
     return kw
+
+
+def figure(ncols: int, size: tuple, **kw):
+    """A row of ncols matplotlib axes, drawn without a display. -> (fig, axes)"""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(1, ncols, figsize=size, **kw)
+
+
+def save_figure(fig, path: str, dpi: int = 90):
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -186,8 +265,24 @@ def load_checkpoint(out):
     return None, None, None
 
 
-def restore_rng(state):
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+def resume(out, model, optimizer, scheduler=None) -> tuple[int, list[dict]]:
+    """Continue from the newest checkpoint that verifies: its adapter weights into the model's trained adapter,
+    the optimizer's and scheduler's states, the RNG states. -> (steps done, their metrics); (0, []) when there
+    is none. <out>/metrics.jsonl is rewritten to those metrics, dropping steps logged after the checkpoint."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    ckpt, state, progress = load_checkpoint(out)
+    start, metrics = (progress["step"], progress["metrics"]) if ckpt else (0, [])
+    if ckpt:
+        set_peft_model_state_dict(model, load_file(os.path.join(ckpt, "adapter", "adapter_model.safetensors")))
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        print(f"resumed from {ckpt} at step {start}")
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
+    return start, metrics

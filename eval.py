@@ -32,7 +32,7 @@ Simplifications vs the paper
   * our procedural retail/airline domains by default, scripted user; τ²-bench itself with
     --domains tau2-retail,tau2-airline,tau2-telecom --user openai:MODEL (its test split, its evaluators;
     tau2_domains.py), printed beside the paper's Qwen3-8B and MUA-RL-8B pass^1;
-  * CPU preset: few tasks and trials, short turns (see CPU_PRESET); the GPU defaults are larger;
+  * CPU preset: few tasks and trials, short turns (PRESETS["cpu"]); the GPU preset is larger;
   * BFCL: tools are given as OpenAI-style schemas without BFCL's "response"
     field (saves ~25% context; still 3-5k tokens, so on 2 CPU cores an entry takes minutes: off by
     default); at most --bfcl-steps agent steps per turn (BFCL: 20), more is a force-terminated entry
@@ -67,19 +67,22 @@ import sampler
 import users
 import worlds
 
-GPU_DEFAULTS = dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30, max_new_tokens=256,
-                    max_context=8192, recheck=16, bfcl_steps=20)
 # CPU: the tier the CPU presets of sft.py and rl.py train on, 24 held-out tasks per domain (48 in all, enough
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each; sized for a few minutes an agent
 # on 2 cores; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
-CPU_PRESET = dict(n_tasks=24, trials=1, tiers="easy", **common.CPU_LIMITS, recheck=0, bfcl_steps=4)
+PRESETS = {
+    "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30, max_new_tokens=256, max_context=8192,
+                recheck=16, bfcl_steps=20),
+    "cpu": dict(n_tasks=24, trials=1, tiers="easy", **common.CPU_LIMITS, recheck=0, bfcl_steps=4),
+    "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
+                  recheck=1, bfcl_steps=1),
+}
 BFCL_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
-SMOKE = dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
-             recheck=1, bfcl_steps=1)
 
 
 def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
+    common.add_run_args(p, out="runs/eval", smoke="tiny run for tests (< 2 min on CPU)")
     p.add_argument("--agents", default="base,sft,rl",
                    help="comma list: base | sft | rl | an adapter dir | openai:MODEL (sft and rl are skipped when "
                         "their adapter does not exist)")
@@ -92,20 +95,14 @@ def parse_args(argv=None):
     p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
     p.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated (preset: cpu easy)")
     p.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n (preset)")
-    p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
-    p.add_argument("--max-context", type=int, default=None, help="episode token limit (preset)")
+    common.add_episode_args(p)
     p.add_argument("--temperature", type=float, default=0.0, help="agent temperature (0: greedy, as tau-bench; "
                    "training samples at 1.0)")
     p.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (preset; 0 = off)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the CI")
     p.add_argument("--bfcl", type=int, default=0, help="BFCL multi-turn entries per category (4 of them) per agent (0 = skip)")
     p.add_argument("--bfcl-steps", type=int, default=None, help="max agent steps per BFCL turn (preset; BFCL 20)")
-    p.add_argument("--seed", type=int, default=0, help="task generation and rollout seed")
-    p.add_argument("--smoke", action="store_true", help="tiny run for tests (< 2 min on CPU)")
-    p.add_argument("--out", default="runs/eval", help="output directory")
-    args = p.parse_args(argv)
-    common.fill_preset(args, SMOKE if args.smoke else GPU_DEFAULTS if torch.cuda.is_available() else CPU_PRESET)
+    args = common.fill_preset(p.parse_args(argv), PRESETS)
     common.check_args(args, at_least=dict(n_tasks=1, trials=1, max_turns=1, max_new_tokens=1, max_context=2,
                                           recheck=0, n_boot=1, bfcl=0, bfcl_steps=1, user_workers=1),
                       finite=dict(temperature=(0, False)))
@@ -200,16 +197,14 @@ def build_agent(spec: str, args):
 # ----------------------------------------------------------------------------- pass^k evaluation
 
 def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", seed: int = 0,
-             max_turns: int = 8, max_context: int = 3072, temperature: float = 0.0, max_new_tokens: int = 96,
-             recheck: int = 0, n_boot: int = 1000, progress: bool = True, **user_kw) -> dict:
-    """pass^k of `agent` (a rollout agent, or a model to wrap in ModelAgent) on `tasks`, `trials` each.
+             max_turns: int = 8, max_context: int = 3072, recheck: int = 0, n_boot: int = 1000, progress: bool = True,
+             **user_kw) -> dict:
+    """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each.
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
     {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included),
     "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "seconds".
     """
-    if not hasattr(agent, "act"):
-        agent = sampler.ModelAgent(agent, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens)
     t0 = time.time()
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, **user_kw)
@@ -521,15 +516,12 @@ def paper_tables(results: dict) -> str:
 def plot(results: dict, path: str, pairs: dict | None = None):
     """Three panels, each titled in one line: pass^1 of every agent with its 95% CI; pass^1 per domain; and each
     paired difference with its 95% paired CI (a point left of 0: the first agent did worse)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     short = lambda a: re.sub(r"^runs/(agents/)?|/adapter$", "", a)   # noqa: E731; runs/X/adapter -> X
     agents = list(results)
     domains = list(results[agents[0]]["tau"]["per_domain"])
     pairs = pairs or {}
-    fig, axes = plt.subplots(1, 3 if pairs else 2, figsize=(13 if pairs else 9, 3.6),
-                             gridspec_kw={"width_ratios": [1, 1.2, 1.3][:3 if pairs else 2]})
+    fig, axes = common.figure(3 if pairs else 2, (13 if pairs else 9, 3.6),
+                              gridspec_kw={"width_ratios": [1, 1.2, 1.3][:3 if pairs else 2]})
     overall = [results[a]["tau"]["overall"] for a in agents]
     vals = [o["pass^k"][1] for o in overall]
     err = [[v - o["ci"][1][0] for v, o in zip(vals, overall)], [o["ci"][1][1] - v for v, o in zip(vals, overall)]]
@@ -560,24 +552,21 @@ def plot(results: dict, path: str, pairs: dict | None = None):
         lo = min(-0.1, *(pairs[n]["ci"][0] for n in names)) - 0.05
         ax.set(xlim=(lo, max(0.1, *(pairs[n]["ci"][1] for n in names)) + 0.2), ylim=(-0.6, len(names) - 0.4),
                title="paired difference in pass^1 (95% CI)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90, bbox_inches="tight")
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main(argv=None):
     args = parse_args(argv)                 # bad input: one line, exit 2, before anything loads
     common.start_run(args, args.out)
     tasks = worlds.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
-    user_kw = common.user_kwargs(args)
+    user_kw = common.user_kwargs(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local: the base
+                                          if args.user == "local" else ()))                       # model plays the user
     results = {}
     for spec in args.agents.split(","):
         built = build_agent(spec.strip(), args)
         if built is None:
             continue
         agent, tok, label = built
-        if args.user == "local":            # a local HF-model user: the base model plays the user
-            user_kw["model"], user_kw["tokenizer"] = rollout.load_model(args.model or rollout.DEFAULT_MODEL)
         print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {args.user}")
         tau = evaluate(agent, tok, tasks, args.trials, args.user, args.seed, args.max_turns, args.max_context,
                        recheck=args.recheck, n_boot=args.n_boot, **user_kw)

@@ -21,7 +21,7 @@ Rerun the same command after a kill: it resumes.
 Simplifications versus the paper:
 - SmolLM2-135M-Instruct on CPU and LoRA instead of full fine-tuning; the reference is a frozen copy of the
   starting adapter on the same base weights.
-- Our procedural domains and a scripted user by default (a 135M model cannot play a user); CPU_PRESET is the
+- Our procedural domains and a scripted user by default (a 135M model cannot play a user); PRESETS["cpu"] is the
   same algorithm at small sizes, on airline's easy tier.
 - Dynamic sampling (DAPO) is ours: only groups whose rewards differ are trained.
 - One optimizer step per batch of rollouts (--mini-batches 1): the ratio is exactly 1 and the clip inactive.
@@ -41,59 +41,41 @@ import rollout
 import sampler
 import worlds
 
-GPU_DEFAULTS = dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
-                    max_context=8192, micro_batch=1, lr=2e-5, temperature=1.0, domains="retail,airline",
-                    tiers="easy,medium,hard", ckpt_every=10, eval_every=10, eval_tasks=24, grad_checkpointing="on")
-# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for ~15-20 minutes: one step of 8 tasks x 8
-# rollouts in one draw, every group with reward variance trained. Airline's easy tier: the CPU cold start
-# already solves every easy retail task, and half solves airline's add_bags, where groups have variance.
-# T = 0.7: at 1.0 most of the 135M policy's failures are sampling noise. lr 1e-4: Adam's first step moves
-# every LoRA weight by ~lr, and at 2e-4 one step collapsed the policy (docs/results.md, findings).
-CPU_PRESET = dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=8, **common.CPU_LIMITS, micro_batch=2,
-                  lr=1e-4, temperature=0.7, domains="airline", tiers="easy", ckpt_every=1, eval_every=1,
-                  eval_tasks=12, grad_checkpointing="off")
-SMOKE = dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
-             max_context=2560, micro_batch=2, lr=1e-4, temperature=1.0, domains="retail,airline", tiers="easy",
-             ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off")
+# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for a few minutes: one step of 8 tasks x 8 rollouts
+# in one draw, every group with reward variance trained. Airline's easy tier: the CPU cold start already solves
+# every easy retail task, and half solves airline's add_bags, where groups have variance. T = 0.7: at 1.0 most of
+# the 135M policy's failures are sampling noise. lr 1e-4: Adam's first step moves every LoRA weight by ~lr, and
+# at 2e-4 one step collapsed the policy (docs/results.md, findings).
+PRESETS = {
+    "gpu": dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
+                max_context=8192, micro_batch=1, lr=2e-5, temperature=1.0, domains="retail,airline",
+                tiers="easy,medium,hard", ckpt_every=10, eval_every=10, eval_tasks=24, grad_checkpointing="on"),
+    "cpu": dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=8, **common.CPU_LIMITS, micro_batch=2, lr=1e-4,
+                temperature=0.7, domains="airline", tiers="easy", ckpt_every=1, eval_every=1, eval_tasks=12,
+                grad_checkpointing="off"),
+    "smoke": dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
+                  max_context=2560, micro_batch=2, lr=1e-4, temperature=1.0, domains="retail,airline", tiers="easy",
+                  ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off"),
+}
 TASK_POOL = 1000     # train tasks generated per domain to draw from
 
 
 def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
+    common.add_run_args(p, out="runs/rl", smoke="2 tiny steps (tests)")
     common.add_model_args(p)
     common.add_user_args(p)
-    p.add_argument("--init", default="auto", help="SFT adapter dir, 'base' (no cold start), or 'auto' "
-                   "= runs/sft/adapter if present else base")
-    p.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward")
-    p.add_argument("--domains", default=None, help="comma-separated train domains (preset)")
-    p.add_argument("--tiers", default=None, help="task tiers to train on (preset)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (preset); a larger value resumes a run")
-    p.add_argument("--tasks", type=int, default=None, help="groups with reward variance to train on per step "
-                   "(preset; paper 32)")
+    common.add_grpo_args(p)
     p.add_argument("--draw", type=int, default=None, help="tasks per rollout batch (preset)")
     p.add_argument("--max-draws", type=int, default=None, help="dynamic sampling: at most this many rollout batches "
                    "a step to find --tasks groups with reward variance (preset; 1 = plain GRPO)")
-    p.add_argument("--group-size", type=int, default=None, help="rollouts per task G (preset; paper 8)")
-    p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset; paper 30)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
-    p.add_argument("--max-context", type=int, default=None, help="episode token limit (preset)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (preset; paper 1.0)")
-    p.add_argument("--kl-coef", type=float, default=0.001, help="beta for the k3 KL to the reference (paper 0.001)")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon (paper 0.2)")
-    p.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean: every "
-                   "sampled token weighs the same (DAPO, the official code); seq-mean: every rollout does (GRPO paper)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (preset)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch of rollouts")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (preset)")
-    p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"], help="recompute activations in "
-                   "backward (preset: GPU on; CPU off, which lets the system prompt run once per pass)")
+    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch of rollouts (> 1: the "
+                   "ratio departs from 1 and the clip can act)")
     p.add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the update's forward and "
                    "backward under bf16 autocast (weights, LoRA, AdamW and the log-softmax stay fp32); auto = on "
                    "for a CPU with native bf16 dot products (AVX512-BF16 or AMX), off on GPU (bf16 already)")
-    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank when starting from base")
-    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha when starting from base")
     p.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this fraction of a "
                    "step's rollouts lost their user simulator or environment (those rollouts are never trained on)")
     p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps (preset)")
@@ -104,13 +86,7 @@ def parse_args(argv=None):
                    "of each domain, the ones eval.py's CPU preset reports")
     p.add_argument("--rollouts", default=None, help="train on the rollouts another run saved (its rollouts/ dir) "
                    "instead of sampling: compares update rules on identical rollouts")
-    p.add_argument("--seed", type=int, default=0, help="seed for task sampling, users and sampling")
-    p.add_argument("--out", default="runs/rl", help="output dir (everything this run writes)")
-    p.add_argument("--smoke", action="store_true", help="2 tiny steps (tests)")
-    p.add_argument("--cpu-preset", default="auto", choices=["auto", "on", "off"], help="auto = on without a GPU")
-    args = p.parse_args(argv)
-    cpu = args.cpu_preset == "on" or (args.cpu_preset == "auto" and not torch.cuda.is_available())
-    common.fill_preset(args, SMOKE if args.smoke else CPU_PRESET if cpu else GPU_DEFAULTS)
+    args = common.fill_preset(p.parse_args(argv), PRESETS)
     if args.train_bf16 == "auto":
         args.train_bf16 = "on" if native_bf16_cpu() and not torch.cuda.is_available() and not args.load_in_4bit else "off"
     common.check_args(args, at_least=dict(steps=1, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1,
@@ -230,10 +206,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, ref_is_policy=False)
 def plot(metrics, path, temperature):
     """Three panels: pass^1 of the training rollouts and of the greedy policy on held-out tasks (the curve that
     matters), the KL to the reference, and the groups drawn / with reward variance / trained per step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    fig, axes = common.figure(3, (12, 3.4))
     trained = [m for m in metrics if "reward" in m]
     evals = [m for m in metrics if m.get("heldout_pass1") is not None]
     axes[0].plot([m["step"] for m in trained], [m["pass_rate"] for m in trained], marker=".",
@@ -256,9 +229,7 @@ def plot(metrics, path, temperature):
     axes[2].set_xticks(steps)
     for ax in (axes[0], axes[2]):
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90, bbox_inches="tight")
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 @contextlib.contextmanager
@@ -280,26 +251,24 @@ def reference_policy(model):
 # ---------------------------------------------------------------- the loop's helpers
 
 def load_policy(args, model):
-    """The trained adapter ("default") and the frozen reference ("ref"): from the newest checkpoint that
-    verifies when resuming, else from --init. The starting adapter is copied to <out>/reference, so a resumed
-    run keeps its reference even if --init has changed since. -> (model, checkpoint state or None)."""
-    ckpt, state, progress = common.load_checkpoint(args.out)
+    """The trained adapter ("default") and the frozen KL reference ("ref"), both the policy RL starts from: --init's
+    adapter, copied to <out>/reference, so a resumed run starts from its own (common.resume then loads the newest
+    checkpoint's weights into "default"). From base: a fresh LoRA and no "ref" (the reference is the base model
+    with the adapter off, see reference_policy)."""
     ref_dir, init = os.path.join(args.out, "reference"), args.init
-    if init == "auto":
+    if common.checkpoints(args.out):              # resuming: the run's own starting point, whatever --init says now
+        init = ref_dir if os.path.isdir(ref_dir) else "base"
+    elif init == "auto":
         init = "runs/sft/adapter" if os.path.isdir("runs/sft/adapter") else "base"
-    if ckpt:
-        model = rollout.load_adapter(model, os.path.join(ckpt, "adapter"), trainable=True)
-        print(f"resumed from {ckpt} at step {progress['step']}")
-    elif init == "base":
+    if init == "base":
         print("init: base model + fresh LoRA (no cold-start SFT adapter; run `python sft.py` for one)")
-        model = rollout.add_lora(model, r=args.lora_r, alpha=args.lora_alpha)
-    else:
-        print(f"init: SFT adapter {init}")
-        model = rollout.load_adapter(model, init, trainable=True)
+        return rollout.add_lora(model, r=args.lora_r, alpha=args.lora_alpha)
+    print(f"init: SFT adapter {init}")
+    model = rollout.load_adapter(model, init, trainable=True)
+    if init != ref_dir:
         shutil.copytree(init, ref_dir, dirs_exist_ok=True)
-    if os.path.isdir(ref_dir):
-        model.load_adapter(ref_dir, adapter_name="ref", is_trainable=False)
-    return model, (state, progress) if ckpt else None
+    model.load_adapter(ref_dir, adapter_name="ref", is_trainable=False)
+    return model
 
 
 def task_sets(args):
@@ -404,16 +373,19 @@ def main(argv=None):
     args = parse_args(argv)                       # bad input: one line, exit 2, before anything loads
     common.start_run(args, args.out)
     model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL, load_in_4bit=args.load_in_4bit)
-    model, resumed = load_policy(args, model)
+    model = load_policy(args, model)
     if args.grad_checkpointing == "on":           # less activation memory, more compute, no shared prefix
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
-    start, metrics = resume(resumed, optimizer, args)
+    start, metrics = common.resume(args.out, model, optimizer)     # a rerun after a kill goes on from here
+    if not start:
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
     pools, heldout = task_sets(args)
     agent = sampler.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
-    user_kw, pad_id = common.user_kwargs(args, model, tok), tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    user_kw = common.user_kwargs(args, model, tok)
 
     def log(m):
         metrics.append(m)
@@ -431,7 +403,7 @@ def main(argv=None):
         if kept:                                  # 3. advantages within each kept group
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
-            st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, pad_id,
+            st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
                              ref_is_policy=not optimizer.state)
         m = step_metrics(step, drawn, kept, lost, st, dict(rollout_s=t_roll, train_s=time.time() - t0 - t_roll))
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
@@ -445,22 +417,6 @@ def main(argv=None):
     plot(metrics, os.path.join(args.out, "rl.png"), args.temperature)
     print(f"adapter -> {os.path.join(args.out, 'adapter')}")
     return metrics
-
-
-def resume(resumed, optimizer, args):
-    """-> (first step, metrics so far). Resuming restores the optimizer and RNG states; a fresh run seeds."""
-    start, metrics = 0, []
-    if resumed:
-        state, progress = resumed
-        optimizer.load_state_dict(state["optimizer"])
-        common.restore_rng(state)
-        start, metrics = progress["step"], progress["metrics"]
-    else:
-        random.seed(args.seed)
-        torch.manual_seed(args.seed)
-    with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:   # rewritten: drops steps after the checkpoint
-        f.writelines(json.dumps(m) + "\n" for m in metrics)
-    return start, metrics
 
 
 if __name__ == "__main__":

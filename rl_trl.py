@@ -40,54 +40,32 @@ import torch
 
 import common
 
-GPU_PRESET = dict(steps=100, tasks=32, group_size=8, max_turns=30, max_new_tokens=256, max_context=8192,
-                  micro_batch=1, lr=2e-5, temperature=1.0, domains="retail,airline", tiers="easy,medium,hard",
-                  grad_checkpointing="on", vllm="colocate", save_every=10)
 # CPU: rl.py's limits (common.CPU_LIMITS), 2 tasks x 4 rollouts: transformers generate re-reads the conversation
 # every turn, so a CPU step costs several times rl.py's (scripts/bench_trl.py).
-CPU_PRESET = dict(steps=1, tasks=2, group_size=4, **common.CPU_LIMITS, micro_batch=2, lr=1e-4, temperature=0.7,
-                  domains="airline", tiers="easy", grad_checkpointing="off", vllm="off", save_every=1)
-SMOKE = dict(steps=1, tasks=2, group_size=2, max_turns=2, max_new_tokens=8, max_context=2560, micro_batch=2, lr=1e-4,
-             temperature=1.0, domains="retail,airline", tiers="easy", grad_checkpointing="off", vllm="off", save_every=1)
+PRESETS = {
+    "gpu": dict(steps=100, tasks=32, group_size=8, max_turns=30, max_new_tokens=256, max_context=8192, micro_batch=1,
+                lr=2e-5, temperature=1.0, domains="retail,airline", tiers="easy,medium,hard", grad_checkpointing="on",
+                vllm="colocate", save_every=10),
+    "cpu": dict(steps=1, tasks=2, group_size=4, **common.CPU_LIMITS, micro_batch=2, lr=1e-4, temperature=0.7,
+                domains="airline", tiers="easy", grad_checkpointing="off", vllm="off", save_every=1),
+    "smoke": dict(steps=1, tasks=2, group_size=2, max_turns=2, max_new_tokens=8, max_context=2560, micro_batch=2,
+                  lr=1e-4, temperature=1.0, domains="retail,airline", tiers="easy", grad_checkpointing="off",
+                  vllm="off", save_every=1),
+}
 
 
 def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
+    common.add_run_args(p, out="runs/rl_trl", smoke="one tiny step (tests)")
     common.add_model_args(p)
     common.add_user_args(p)
-    p.add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at it), 'base' (fresh "
-                   "LoRA), or 'auto' = runs/sft/adapter if present else base")
-    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
-    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
-    p.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward (Env.reward)")
-    p.add_argument("--domains", default=None, help="comma-separated train domains (preset)")
-    p.add_argument("--tiers", default=None, help="task tiers to train on (preset)")
+    common.add_grpo_args(p)         # --tasks: over all processes, a multiple of their number (whole groups each)
     p.add_argument("--task-pool", type=int, default=1000, help="train tasks generated per domain to sample from")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (preset)")
-    p.add_argument("--tasks", type=int, default=None, help="tasks per step over all processes, a multiple of their "
-                   "number: each process rolls out whole groups (preset; paper 32)")
-    p.add_argument("--group-size", type=int, default=None, help="rollouts per task G = TRL's num_generations (preset; paper 8)")
-    p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset; paper 30)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn = TRL's max_completion_length (preset)")
-    p.add_argument("--max-context", type=int, default=None, help="episode token limit (preset; vLLM's max_model_len)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (preset; paper 1.0)")
-    p.add_argument("--kl-coef", type=float, default=0.001, help="beta for the k3 KL (paper 0.001; TRL's default is 0)")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon, both sides (paper 0.2)")
-    p.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean = TRL's "
-                   "'dapo' (every sampled token weighs the same), seq-mean = its 'grpo' (every rollout does)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate, constant (preset)")
-    p.add_argument("--micro-batch", type=int, default=None, help="rows per forward/backward = per_device_train_batch_size; "
-                   "gradients accumulate over a process's rows, one optimizer step per step (preset)")
-    p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"], help="recompute activations (preset)")
     p.add_argument("--vllm", default=None, choices=["off", "colocate"], help="generate with a vLLM engine on each GPU "
                    "beside training (requirements-gpu.txt), or with transformers generate (preset: GPU colocate)")
     p.add_argument("--vllm-memory", type=float, default=0.3, help="share of each GPU's memory vLLM may take")
     p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (preset); rerun to resume")
-    p.add_argument("--seed", type=int, default=0, help="seed for task order, users and sampling")
-    p.add_argument("--out", default="runs/rl_trl", help="everything this run writes goes here")
-    p.add_argument("--smoke", action="store_true", help="one tiny step (tests)")
-    args = p.parse_args(argv)
-    common.fill_preset(args, SMOKE if args.smoke else GPU_PRESET if torch.cuda.is_available() else CPU_PRESET)
+    args = common.fill_preset(p.parse_args(argv), PRESETS)
     common.check_args(args, at_least=dict(steps=1, tasks=1, group_size=2, max_turns=1, max_new_tokens=1,
                                           micro_batch=1, save_every=1, lora_r=1),
                       finite=dict(lr=(0, True), temperature=(0, True), kl_coef=(0, False), clip=(0, True)))
@@ -248,18 +226,13 @@ def log_line(args):
 
 
 def plot(metrics, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, axes = common.figure(2, (8, 3.2))
     steps = [m["step"] for m in metrics]
     axes[0].plot(steps, [m.get("pass_rate") for m in metrics], marker=".", label="train rollouts")
     axes[0].set(title="pass^1", xlabel="step", ylim=(-0.02, 1.02))
     axes[1].plot(steps, [m.get("kl") for m in metrics], marker=".")
     axes[1].set(title="KL to the reference (k3)", xlabel="step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def main(argv=None):

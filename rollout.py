@@ -73,7 +73,7 @@ def _smollm2_cache() -> str:
 def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(_smollm2_cache() if name == DEFAULT_MODEL else name)
-    tok.pad_token = tok.pad_token or tok.eos_token
+    tok.pad_token = tok.pad_token or tok.eos_token     # batches pad with it; masks come from positions, not pads
     return tok
 
 

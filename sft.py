@@ -13,7 +13,7 @@ What it does
      tool tokens count for nothing), through kernels.sequence_logprobs as in rl.py. AdamW, linear
      warmup then cosine decay, gradient accumulation. A batch holds one domain, whose system prompt
      goes through the model once per batch with an exact gradient (kernels.backward_with_shared_prefix;
-     `python sft.py --bench` times it against the per-conversation pass). Checkpoints every
+     `python scripts/bench_sft.py` times it against the per-conversation pass). Checkpoints every
      --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
 Run
@@ -41,7 +41,6 @@ Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
 Simplifications: template phrasing for the oracle (the paper synthesized with LLMs); the scripted user
 stands in for GPT-4o; no sequence packing (micro-batches are right-padded).
 """
-import argparse
 import json
 import math
 import os
@@ -56,36 +55,33 @@ import common
 import envs
 import rollout
 import worlds
-from kernels import backward_with_shared_prefix, prefix_batches, shared_prefix_len
+from kernels import backward_with_shared_prefix, prefix_batches
 
 
 # Sizes by machine: cpu is sized for ~10 minutes on 2 cores, gpu follows the paper's data size.
 ALL_TIERS = "easy,medium,hard"
 PRESETS = {
     "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
-                  max_len=8192, save_every=20,       # 167 x 12 scenarios = 2,004 conversations, as in the paper
+                  max_len=8192, save_every=20, max_turns=30,   # 167 x 12 scenarios = 2,004 conversations, as in the paper
                   grad_checkpointing="on"),          # 4 x 2.6k tokens of layer activations fit 24 GB only with it
     "cpu":   dict(tasks_per_scenario=20, tiers="easy", epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3,
-                  max_len=4096, save_every=4, grad_checkpointing="off"),
+                  max_len=4096, save_every=4, max_turns=30, grad_checkpointing="off"),
     "smoke": dict(tasks_per_scenario=1, tiers=ALL_TIERS, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3,
-                  max_len=1800, save_every=1, max_steps=1, grad_checkpointing="off"),
+                  max_len=1800, save_every=1, max_steps=1, max_turns=30, grad_checkpointing="off"),
 }
 
 
 def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
+    common.add_run_args(p, out="runs/sft", smoke="tiny run (< 2 min on CPU) for tests")
     common.add_model_args(p, model_default=rollout.DEFAULT_MODEL, sampler=False)
-    p.add_argument("--out", default="runs/sft", help="everything this run writes goes here")
-    p.add_argument("--smoke", action="store_true", help="tiny run (< 2 min on CPU) for tests")
-    p.add_argument("--bench", action="store_true", help="time one training batch three ways (backward_batch), then exit")
-    p.add_argument("--seed", type=int, default=0, help="seed for tasks, oracle phrasing, user, data order")
     # data
     p.add_argument("--domains", default=",".join(envs.DOMAINS), help="comma-separated domains")
     p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 20, gpu 167)")
     p.add_argument("--tiers", default=None, help="scenarios of these tiers only (preset: cpu easy, gpu all)")
     p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
     common.add_user_args(p)
-    p.add_argument("--max-turns", type=int, default=30, help="max agent turns per conversation")
+    common.add_episode_args(p, tokens=False)
     p.add_argument("--teacher", default=None, help="an OpenAI-compatible model as the agent instead of the oracle "
                                                    "(key from $OPENAI_API_KEY)")
     p.add_argument("--teacher-base-url", default=None, help="base URL of the teacher's server (default: OpenAI)")
@@ -106,12 +102,11 @@ def parse_args(argv=None):
     p.add_argument("--share-prefix", default="on", choices=["on", "off"],
                    help="run each domain's system prompt once per step, not once per conversation (exact)")
     p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"],
-                   help="recompute activations in backward: less memory, slower (sft.py --bench); turns --share-prefix "
+                   help="recompute activations in backward: less memory, slower (scripts/bench_sft.py); turns --share-prefix "
                         "off (preset: gpu on, cpu off)")
     p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end (preset)")
     p.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
-    args = p.parse_args(argv)
-    common.fill_preset(args, PRESETS["smoke" if args.smoke else "gpu" if rollout.DEVICE == "cuda" else "cpu"])
+    args = common.fill_preset(p.parse_args(argv), PRESETS)
     common.check_args(args, at_least=dict(tasks_per_scenario=1, samples_per_task=1, max_turns=1, user_workers=1,
                                           epochs=1, batch_size=1, micro_batch_size=1, max_len=2, max_steps=1,
                                           lora_r=1, save_every=1, stop_after=1),
@@ -239,33 +234,13 @@ def batch_rows(rows, step: int, batch_size: int, seed: int) -> list[dict]:
     return [rows[j] for j in epoch_batches(rows, batch_size, seed, epoch)[i]]
 
 
-def resume(out, model, opt, sched) -> tuple[int, list[dict]]:
-    """Restore the newest checkpoint that verifies (common.load_checkpoint) -> (step to continue from, metrics)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    ckpt, state, progress = common.load_checkpoint(out)
-    if ckpt is None:
-        return 0, []
-    set_peft_model_state_dict(model, load_file(os.path.join(ckpt, "adapter", "adapter_model.safetensors")))
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    common.restore_rng(state)
-    print(f"resumed from {ckpt} (step {progress['step']})")
-    return progress["step"], progress["metrics"]
-
-
 def plot(metrics: list[dict], path: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, ax = common.figure(2, (9, 3.2))
     ax[0].plot([m["step"] for m in metrics], [m["loss"] for m in metrics], marker=".")
     ax[0].set(xlabel="step", ylabel="loss (nats / agent token)", title="SFT loss")
     ax[1].plot([m["step"] for m in metrics], [m["lr"] for m in metrics])
     ax[1].set(xlabel="step", ylabel="lr", title="schedule")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_figure(fig, path, dpi=100)
 
 
 # ----------------------------------------------------------------------------- main
@@ -279,18 +254,15 @@ def train(args, model, tokenizer, rows: list[dict]):
     total, per_epoch = total_steps(args, rows), len(epoch_batches(rows, args.batch_size, args.seed, 0))
     warmup = max(1, round(args.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, args.schedule))
-    start, metrics = resume(args.out, model, opt, sched)
+    start, metrics = common.resume(args.out, model, opt, sched)    # a rerun after a kill goes on from here
     mpath = os.path.join(args.out, "metrics.jsonl")
-    with open(mpath, "w") as f:                                   # rewritten: drops steps after the checkpoint
-        f.writelines(json.dumps(m) + "\n" for m in metrics)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model.train()
     bar = tqdm(range(start, total), initial=start, total=total, desc="sft", file=sys.stdout)
     for step in bar:
         t0 = time.time()
         batch = batch_rows(rows, step, args.batch_size, args.seed)
         n_tok = sum(sum(r["loss_mask"][:args.max_len]) for r in batch)   # normaliser for the whole batch
-        loss_sum = backward_batch(model, batch, args, pad, n_tok)
+        loss_sum = backward_batch(model, batch, args, tokenizer.pad_token_id, n_tok)
         seen = sum(min(len(r["token_ids"]), args.max_len) for r in batch)
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         lr = sched.get_last_lr()[0]
@@ -318,51 +290,11 @@ def train(args, model, tokenizer, rows: list[dict]):
 RESUME_FREE = {"stop_after", "save_every", "share_prefix", "grad_checkpointing"}
 
 
-def bench(args):
-    """One batch of 4 retail conversations (the oracle's), forward+backward three ways. Lowest memory
-    first, so the process's peak RSS after each way is that way's peak (on CPU)."""
-    import resource
-    model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
-    trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, envs.make_tasks("retail", "train", 4))
-    rows = [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "scenario": f"retail/{t.scenario}"} for t in trajs]
-    model, n_tok = rollout.add_lora(model), sum(sum(r["loss_mask"]) for r in rows)
-    model.train()
-    print(f"{len(rows)} conversations, {sum(len(r['token_ids']) for r in rows)} tokens ({n_tok} trained), "
-          f"shared prefix {shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} tokens")
-    for name, share, ckpt in [("prompt per conversation, activation checkpointing", "off", "on"),
-                              ("prompt once per batch", "on", "off"), ("prompt per conversation", "off", "off")]:
-        if ckpt == "on":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_disable()
-        mode = argparse.Namespace(**{**vars(args), "share_prefix": share, "grad_checkpointing": ckpt})
-        for _ in range(2):                                      # the first pass warms up the allocator
-            t0 = time.time()
-            loss = backward_batch(model, rows, mode, tokenizer.pad_token_id or 0, n_tok)
-            dt = time.time() - t0
-            model.zero_grad(set_to_none=True)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6   # KB on Linux
-        print(f"{name:52s} loss {loss:.5f}  {dt:6.1f} s  peak RSS so far {peak:.1f} GB")
-
-
 def main(argv=None):
     args = parse_args(argv)
-    if args.bench:
-        return bench(args)
-    print(vars(args))
-    os.makedirs(args.out, exist_ok=True)
-    apath = os.path.join(args.out, "args.json")
-    if common.checkpoints(args.out) and os.path.exists(apath):
-        before = {k: v for k, v in json.load(open(apath)).items() if k not in RESUME_FREE}
-        now = {k: v for k, v in vars(args).items() if k not in RESUME_FREE}
-        if before != now:
-            diff = {k: (before.get(k), v) for k, v in now.items() if before.get(k) != v}
-            raise SystemExit(f"{args.out} holds a run with other settings {diff}: pick another --out or delete it")
-    json.dump(vars(args), open(apath, "w"), indent=1)
+    common.start_run(args, args.out, may_change=RESUME_FREE)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    if rollout.DEVICE == "cpu":
-        torch.set_num_threads(min(2, os.cpu_count() or 1))
     t0 = time.time()
 
     tpath = os.path.join(args.out, "tokens.jsonl")
