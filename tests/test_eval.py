@@ -1,6 +1,5 @@
-"""eval.py: pass^k by hand, bootstrap CI, BFCL multi-turn (ground truth 100%, corruptions fail,
-our Hermes -> python-call loop end to end), pass^k of the oracle agent, and the --smoke run."""
-import ast
+"""eval.py: pass^k by hand, bootstrap CI, paired comparisons, pass^k of the oracle agent, the report, and the
+--smoke run. BFCL's world: tests/test_bfcl.py."""
 import json
 from types import SimpleNamespace
 
@@ -72,125 +71,14 @@ def test_paired_bootstrap_is_tighter_than_two_independent_intervals():
     assert sa["ci"][1][0] < sb["ci"][1][1]               # the two marginal CIs overlap
 
 
-# ----------------------------------------------------------------------------- BFCL
-
-N_BFCL = 5
-
-
-@pytest.fixture(scope="module")
-def bfcl():
-    return ev.load_bfcl(N_BFCL)
-
-
-def test_bfcl_ground_truth_scores_100_and_corruptions_fail(bfcl):
-    entries, truth = bfcl
-    assert [e["id"] for e in entries] == [f"multi_turn_base_{i}" for i in range(N_BFCL)]
-    as_steps = lambda turns: [[t] if t else [] for t in turns]     # one step per turn, all its calls
-    assert [ev.bfcl_score(e, as_steps(gt), gt)["valid"] for e, gt in zip(entries, truth)] == [True] * N_BFCL
-    # scoring twice must not leak API state between runs (BFCL keeps instances in globals)
-    assert ev.bfcl_score(entries[0], as_steps(truth[0]), truth[0])["valid"]
-    for e, gt in zip(entries, truth):
-        dropped = as_steps([t[:-1] for t in gt])                 # last call of every turn missing
-        assert not ev.bfcl_score(e, dropped, gt)["valid"]
-        assert ev.bfcl_score(e, as_steps(gt[:-1]), gt)["error_type"] == "multi_turn:force_terminated"
-    first = truth[0][0]                                          # cd document, mkdir temp, mv report
-    wrong = [c.replace("'temp'", "'tmp'") for c in first]
-    assert wrong != first
-    assert not ev.bfcl_score(entries[0], [[wrong]] + as_steps(truth[0][1:]), truth[0])["valid"]
-
-
-def test_to_python_call_matches_bfcl_format_and_blocks_unsafe_names():
-    allowed = {"cd", "mv"}
-    assert ev.to_python_call({"name": "cd", "arguments": {"folder": "x"}}, allowed) == "cd(folder='x')"
-    assert ev.to_python_call({"name": "mv", "arguments": {"source": "a b", "n": [1, 2.5], "f": True}},
-                             allowed) == "mv(source='a b',n=[1, 2.5],f=True)"
-    assert ev.to_python_call({"name": "__import__('os').system", "arguments": {}}, allowed) is None
-    assert ev.to_python_call({"name": "cd", "arguments": {"x=1) or (": 1}}, allowed) is None
-
-
-def hermes(call: str, entry: dict) -> str:
-    """A ground-truth python call `sort('a.txt')` as our Hermes tool-call text."""
-    node = ast.parse(call, mode="eval").body
-    docs = entry["function"] + sum(entry.get("missed_function", {}).values(), [])   # miss_func: held-back ones too
-    params = list(next(f for f in docs if f["name"] == node.func.id)["parameters"]["properties"])
-    args = {params[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
-    args.update({kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
-    return "<tool_call>" + json.dumps({"name": node.func.id, "arguments": args}) + "</tool_call>"
-
-
-class GroundTruthAgent(rollout.TextAgent):
-    """Answers each BFCL turn with all of its ground-truth calls in one step, then a text reply."""
-
-    def __init__(self, tokenizer, truth_by_id):
-        super().__init__(tokenizer)
-        self.truth = truth_by_id
-
-    def respond(self, entry, messages):
-        turn = sum(m["role"] == "user" for m in messages) - 1
-        calls = self.truth[entry["id"]][turn]
-        if messages[-1]["role"] == "tool" or not calls:
-            return "Done."
-        return "\n".join(hermes(c, entry) for c in calls)
-
-
-class SilentAgent(rollout.TextAgent):
-    def respond(self, entry, messages):
-        return "I cannot help with that."
-
-
 @pytest.fixture(scope="module")
 def tok():
     return rollout.load_tokenizer()
 
 
-def test_bfcl_loop_end_to_end(bfcl, tok, monkeypatch):
-    entries, truth = bfcl
-    monkeypatch.setattr(ev, "load_bfcl", lambda n, category: (entries[:n], truth[:n]))
-    good = ev.evaluate_bfcl(GroundTruthAgent(tok, {e["id"]: gt for e, gt in zip(entries, truth)}), tok, 3,
-                            progress=False, categories=["multi_turn_base"])
-    assert good["accuracy"] == 1.0 and good["n"] == 3
-    rec = good["records"][0]                 # Hermes JSON -> python calls, executed on BFCL's file system
-    assert rec["decoded"][0] == [["cd(folder='document')", "mkdir(dir_name='temp')",
-                                  "mv(source='final_report.pdf',destination='temp')"]]
-    assert "moved to 'temp/final_report.pdf'" in rec["messages"][3]["content"]
-    silent = ev.evaluate_bfcl(SilentAgent(tok), tok, 3, progress=False, categories=["multi_turn_base"])
-    assert silent["accuracy"] == 0.0
-    assert {r["error_type"] for r in silent["records"]} == {"multi_turn:empty_turn_model_response"}
-
-
-class LoopingAgent(rollout.TextAgent):
-    def respond(self, entry, messages):
-        return '<tool_call>{"name": "pwd", "arguments": {}}</tool_call>'
-
-
-def test_bfcl_too_many_steps_is_force_terminated(bfcl, tok, monkeypatch):
-    entries, truth = bfcl
-    monkeypatch.setattr(ev, "load_bfcl", lambda n, category: (entries[:n], truth[:n]))
-    out = ev.evaluate_bfcl(LoopingAgent(tok), tok, 1, max_steps=3, progress=False, categories=["multi_turn_base"])
-    rec = out["records"][0]
-    assert rec["reason"] == "force_terminated" and len(rec["decoded"][0]) == 4   # 3 steps + the one over
-    assert out["accuracy"] == 0.0 and rec["error_type"] == "multi_turn:force_terminated"
-
-
-def test_bfcl_runs_all_four_multi_turn_categories_with_bfcls_checker(tok):
-    """The paper's "BFCL-V3 Multi Turn" is four categories. Replaying each one's ground truth through our loop
-    passes BFCL's checker: miss_func's held-back function arrives in its turn, miss_param's turn with nothing
-    to call is answered in text, long_context runs on BFCL's long states."""
-    firsts = {c: ev.load_bfcl(1, c) for c in ev.BFCL_CATEGORIES}
-    entries = [e for es, _ in firsts.values() for e in es]
-    assert [ev.bfcl_category(e) for e in entries] == list(ev.BFCL_CATEGORIES)
-    truth = {e["id"]: gt for es, gts in firsts.values() for e, gt in zip(es, gts)}
-    held = entries[1]["missed_function"]                                  # miss_func: not offered up front
-    assert held and not {f["name"] for fs in held.values() for f in fs} & {f["name"] for f in entries[1]["function"]}
-    assert [] in truth[entries[2]["id"]]                                 # miss_param: a turn to ask, not call
-    out = ev.evaluate_bfcl(GroundTruthAgent(tok, truth), tok, 1, max_context=10**6, progress=False)
-    assert out["per_category"] == {c: 1.0 for c in ev.BFCL_CATEGORIES} and out["accuracy"] == 1.0 and out["n"] == 4
-    miss_func = next(r for r in out["records"] if r["id"] == entries[1]["id"])
-    turn = int(next(iter(held)))                                         # its query lists the held-back docs
-    query = [m["content"] for m in miss_func["messages"] if m["role"] == "user"][turn]
-    assert all(f'"name": "{f["name"]}"' in query for f in held[str(turn)])
-    silent = ev.evaluate_bfcl(SilentAgent(tok), tok, 1, max_context=10**6, progress=False)
-    assert silent["per_category"] == {c: 0.0 for c in ev.BFCL_CATEGORIES}
+class SilentAgent(rollout.TextAgent):
+    def respond(self, task, messages):
+        return "I cannot help with that."
 
 
 # ----------------------------------------------------------------------------- pass^k on envs
@@ -266,12 +154,11 @@ def test_report_table_and_plot(tmp_path):
            "per_tier": {"easy": ev.summarize({"a": [1, 0]}, 20), "medium": ev.summarize({"b": [1, 1]}, 20)},
            "per_scenario": {"cancel_order": ev.summarize({"a": [1, 0]}, 20), "return_item": ev.summarize({"b": [1, 1]}, 20)},
            "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2}, "writes": {"episodes": 3, "asked_first": 2}}
-    bfcl = {"accuracy": 0.25, "n": 4, "per_category": dict(zip(ev.BFCL_CATEGORIES, [0.0, 1.0, 0.0, 0.0]))}
-    results = {"base": {"tau": tau}, "rl": {"tau": tau, "bfcl": bfcl}}
+    results = {"base": {"tau": tau}, "rl": {"tau": tau}}
     pairs = {"rl - base": ev.paired_difference({"a": [1, 0], "b": [1, 1]}, {"a": [0, 0], "b": [1, 1]}, 100)}
     table = ev.markdown(results, pairs)
     assert "| rl - base | +0.250 | [" in table and "| 1 | 0 | 1.0000 |" in table
-    assert "| base | 0.750 [" in table and "| 0.000 / 1.000 / 0.000 / 0.000: 0.250 (4 entries) |" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
+    assert "| base | 0.750 [" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
     assert "| 25 / 15 / 5 (40 turns) | 2 of 3 episodes | 0 of 1 rechecked |" in table
     assert "| easy pass^1 | medium pass^1 |" in table and "(retail: 2, easy: 1, medium: 1)" in table
     ev.plot(results, str(tmp_path / "p.png"), pairs)
