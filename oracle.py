@@ -72,14 +72,30 @@ def confirmation(task, action) -> str:
     return f"Please confirm: {request}{describe(action, task)}. Yes or no?"
 
 
+def withheld(task, heard: str) -> list[str]:
+    """The hidden facts the task needs that `heard` (what the user said, lowercase) does not give: what an agent
+    has to ask for. Needed: a gold call uses it, or the task writes (a careful agent asks about insurance or
+    bags before it books); never name and zip, since the email identifies a retail user."""
+    writes = any(a.name in envs.WRITE_TOOLS[task.domain] for a in task.gold_actions)
+    return [k for k, v in task.hidden_facts.items() if k not in IDENTITY_ALTERNATIVES and not _heard(v, heard)
+            and (writes or any(_uses(v, a) for a in task.gold_actions))]
+
+
+def alone(task, messages: list[dict]) -> bool:
+    """Is nobody there to answer? users.NoUser (--user none) opens with the task's whole instruction and every
+    fact, and the first text the agent sends ends the episode."""
+    return next((m["content"] for m in messages if m["role"] == "user"), "").startswith(task.instruction)
+
+
 def oracle_reply(task, messages: list[dict]) -> str:
     """The gold agent's next message. Follows task.gold_actions in one short, fixed style (a 135M student
     copies a consistent teacher more easily than a varied one). Stateless: where it is in the plan is read
     off the conversation (how many tool calls it has made, which facts it has heard or asked for, whether
     the user just said yes to its confirmation request). Plan: ask for the facts the next steps need (all in
     one message), look up (a turn that is only the tool call), ask to confirm each write naming every
-    argument, make the call after a yes, then report what was done (or refuse, saying why)."""
-    writes = envs.WRITE_TOOLS[task.domain]
+    argument, make the call after a yes, then report what was done (or refuse, saying why). With no user
+    (alone) it asks nothing and confirms nothing: it calls, writes, and its report ends the episode."""
+    writes, solo = envs.WRITE_TOOLS[task.domain], alone(task, messages)
     agent = [m for m in messages if m["role"] == "assistant"]
     heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
     asked = " ".join(m["content"] for m in agent).lower()
@@ -95,16 +111,15 @@ def oracle_reply(task, messages: list[dict]) -> str:
             if a.name in writes:
                 break
         first_write = upcoming[-1].name in writes and writes_done == 0
-        missing = [k for k, v in task.hidden_facts.items()
-                   if k not in IDENTITY_ALTERNATIVES and not _heard(v, heard)
-                   and not any(w in asked for w in users.FACT_KEYWORDS[k])
-                   and (any(_uses(v, a) for a in upcoming)
-                        or (first_write and not any(_uses(v, a) for a in task.gold_actions)))]
-        if missing:
+        facts = task.hidden_facts
+        missing = [k for k in withheld(task, heard) if not any(w in asked for w in users.FACT_KEYWORDS[k])
+                   and (any(_uses(facts[k], a) for a in upcoming)
+                        or (first_write and not any(_uses(facts[k], a) for a in task.gold_actions)))]
+        if missing and not solo:
             q = [QUESTIONS.get(k, f"your {users.FACT_KEYWORDS[k][0]}") for k in missing]
             return f"Please give me {', '.join(q[:-1]) + ' and ' * (len(q) > 1) + q[-1]}."
         call = "<tool_call>\n" + json.dumps({"name": action.name, "arguments": action.arguments}) + "\n</tool_call>"
-        if action.name not in writes:
+        if action.name not in writes or solo:
             return call
         # 2. a write: ask to confirm (naming every argument, so every confirm term); act after a yes
         confirm = confirmation(task, action)
