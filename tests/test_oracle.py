@@ -58,6 +58,10 @@ def test_with_no_user_the_oracle_asks_nothing_confirms_nothing_and_its_report_en
             assert [c["tool_calls"][0] for c in said[:-1]] == [{"name": a.name, "arguments": a.arguments}
                                                               for a in task.gold_actions]
             assert not said[-1]["tool_calls"] and not users.asks_confirmation(said[-1]["content"])
+            for m, a in zip(said, task.gold_actions):     # a write's turn says its plan, as a confirmation would
+                if a.name in envs.WRITE_TOOLS[domain]:
+                    assert m["content"].startswith(f"I will {oracle.plan(task, a)}.\n<tool_call>"), m["content"]
+                    assert oracle.confirmation(task, a) == f"Please confirm: {oracle.plan(task, a)}. Yes or no?"
 
 
 def test_sft_user_none_keeps_every_oracle_conversation(tmp_path):
