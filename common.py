@@ -27,7 +27,7 @@ import torch
 # The CPU presets' episode limits, shared so that RL trains on what eval measures: the easy tasks need
 # 5 agent turns and one correction after a "no" needs 2 more; 80 tokens hold the longest oracle message.
 CPU_LIMITS = dict(max_turns=7, max_new_tokens=80, max_context=3072)
-USERS = "scripted | none | local | oracle | openai:MODEL"
+USERS = "scripted | scripted:PERSONA | none | local | oracle | openai:MODEL"
 TIERS = ("easy", "medium", "hard")
 
 
@@ -65,8 +65,9 @@ def add_model_args(p, model_default=None, sampler=True):
                    "in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no limit)")
 
 
-def add_user_args(p, default="scripted"):
-    p.add_argument("--user", default=default, help=f"user simulator: {USERS} (none: the whole instruction up front)")
+def add_user_args(p, default="scripted", several=False):
+    p.add_argument("--user", default=default, help=f"user simulator: {USERS} (none: the whole instruction up front; "
+                   "PERSONA: one no training uses, users.PERSONAS)" + ("; a comma list evaluates under each" * several))
     p.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
     p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
@@ -120,10 +121,11 @@ def fill_preset(args, presets: dict):
     return args
 
 
-def check_args(args, at_least=None, finite=None):
+def check_args(args, at_least=None, finite=None, several_users=False):
     """Exit 2 with one line on the first bad value, before any model loads or any file is written.
     at_least: {flag name: minimum} for ints; finite: {flag name: (low, strict)} for floats (value > low if
-    strict, else >= low)."""
+    strict, else >= low); several_users: --user may be a comma list (eval.py)."""
+    import users
     import worlds
     for name, low in (at_least or {}).items():
         v = getattr(args, name)
@@ -142,9 +144,12 @@ def check_args(args, at_least=None, finite=None):
             if t not in TIERS:
                 fail("--tiers", f"unknown tier {t!r}; use a comma list of {', '.join(TIERS)}")
     if getattr(args, "user", None) is not None:
-        u = args.user
-        if u not in ("scripted", "none", "local", "oracle") and not (u.startswith("openai:") and len(u) > 7):
-            fail("--user", f"unknown user simulator {u!r}; use {USERS}")
+        for u in args.user.split(",") if several_users else [args.user]:
+            if u.startswith("scripted:") and u[9:] not in users.PERSONAS:
+                fail("--user", f"unknown persona {u[9:]!r}; use scripted:{' or scripted:'.join(users.PERSONAS)}")
+            if u not in ("scripted", "none", "local", "oracle") and not u.startswith("scripted:") and \
+                    not (u.startswith("openai:") and len(u) > 7):
+                fail("--user", f"unknown user simulator {u!r}; use {USERS}")
     ctx, new = getattr(args, "max_context", None), getattr(args, "max_new_tokens", None)
     if ctx is not None and new is not None and ctx <= new:
         fail("--max-context", f"{ctx} leaves no room for the prompt beside --max-new-tokens {new}; raise it")
@@ -176,12 +181,13 @@ def start_run(args, out: str | None = None, may_change=None):
         json.dump(vars(args), f, indent=1)
 
 
-def user_kwargs(args, model=None, tokenizer=None) -> dict:
-    """run_episodes' user arguments: the server of an openai: user, the model of a local one, the pool size."""
-    kw = {"user_workers": args.user_workers}
-    if args.user.startswith("openai:"):
+def user_kwargs(args, model=None, tokenizer=None, user=None) -> dict:
+    """run_episodes' user arguments for user (default --user): the server of an openai: user, the model of a local
+    one, the pool size."""
+    kw, user = {"user_workers": args.user_workers}, user or args.user
+    if user.startswith("openai:"):
         kw["base_url"] = args.user_base_url
-    if args.user == "local":
+    if user == "local":
         kw["model"], kw["tokenizer"] = model, tokenizer
     return kw
 

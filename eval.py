@@ -8,8 +8,12 @@ What it does
      tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training);
      a benchmark world prints its comparison with the paper (worlds.reports).
   2. Paired comparisons of every two agents on the same tasks and user seeds (pair_up).
-  3. Beside pass^1: the episodes whose first write came after asking to confirm, and how episodes ended
-     (the user's stop, or the turn cap, which scores 0 as in τ²-bench: envs.Env.reward).
+  3. Beside pass^1, what the agent did (behaviour, METRICS; README "Metrics"): the correct end state however the
+     episode ended, finished (not cut off at the turn cap, which scores 0 as in τ²-bench: envs.Env.reward),
+     asked before writing, the withheld facts it asked for, turns; per agent and domain, and any of them can be
+     the paired comparison's metric (--paired-metric). Under several users (--user scripted,none) every agent
+     meets each, and a grid of agents x users shows the metric: the 2 x 2 of trained with / without a user
+     against evaluated with / without one (scripts/claims.sh runs it).
   4. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
      with another user seed and flagged `user_sim_suspect` if they then succeed (tau2-bench found
      user-simulator errors behind up to 30% of retail failures).
@@ -19,6 +23,8 @@ Run
   python eval.py --agents base,rl --trials 4      # pick agents; an adapter dir path also works as an agent
   python eval.py --agents openai:gpt-4o-mini --openai-base-url http://localhost:8000/v1   # any endpoint
   python eval.py --user openai:gpt-4o             # the paper's LLM user instead of the scripted one
+  python eval.py --user scripted,none,scripted:curious --paired-metric correct_state,pass1   # each agent under
+                                                  # each user, paired on the correct end state and on pass^1
   python eval.py --domains tau2-retail,tau2-airline,tau2-telecom --user openai:gpt-4o   # τ²-bench's test split
   python eval.py --domains bfcl-base,bfcl-miss-func,bfcl-miss-param,bfcl-long-context --n-tasks 20 \
                  --max-turns 80 --max-context 16384    # BFCL multi-turn: the first 20 entries of each category
@@ -37,9 +43,7 @@ Simplifications vs the paper
     consistency across users. With --temperature > 0, user_sim_suspect also catches agent sampling
     luck: read it as "failed, yet solvable with another user", then look at the transcripts;
   * besides pass^k, the table counts the agent's tool calls per agent turn (ok = executed without
-    error, err = the env refused it, malformed = not parseable): a format learned shows there first;
-    and the episodes whose first write came after a request to confirm (asked_before_writing), which
-    the reward does not check.
+    error, err = the env refused it, malformed = not parseable): a format learned shows there first.
 """
 import json
 import math
@@ -54,6 +58,7 @@ import torch
 
 import common
 import envs
+import oracle
 import rollout
 import sampler
 import users
@@ -69,6 +74,9 @@ PRESETS = {
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
                   recheck=1),
 }
+# What each episode is scored on (episode_metrics; one README line each), beside pass^k: name -> its table heading
+METRICS = {"pass1": "pass^1", "correct_state": "correct end state", "finished": "finished",
+           "asked_first": "asked before writing", "facts_asked": "facts asked for", "turns": "turns"}
 
 
 def parse_args(argv=None):
@@ -78,7 +86,9 @@ def parse_args(argv=None):
                    help="comma list: base | sft | rl | an adapter dir | openai:MODEL (sft and rl are skipped when "
                         "their adapter does not exist)")
     common.add_model_args(p)
-    common.add_user_args(p)
+    common.add_user_args(p, several=True)
+    p.add_argument("--paired-metric", default="pass1", help=f"comma list of the metrics paired comparisons are "
+                   f"made on: {', '.join(METRICS)} (the first is plotted)")
     p.add_argument("--sft-adapter", default="runs/sft/adapter", help="adapter dir used for agent 'sft'")
     p.add_argument("--rl-adapter", default="runs/rl/adapter", help="adapter dir used for agent 'rl'")
     p.add_argument("--openai-base-url", default=None, help="base URL for openai:MODEL agents (default: OpenAI)")
@@ -94,7 +104,10 @@ def parse_args(argv=None):
     args = common.fill_preset(p.parse_args(argv), PRESETS)
     common.check_args(args, at_least=dict(n_tasks=1, trials=1, max_turns=1, max_new_tokens=1, max_context=2,
                                           recheck=0, n_boot=1, user_workers=1),
-                      finite=dict(temperature=(0, False)))
+                      finite=dict(temperature=(0, False)), several_users=True)
+    for m in args.paired_metric.split(","):
+        if m not in METRICS:
+            common.fail("--paired-metric", f"unknown metric {m!r}; use a comma list of {', '.join(METRICS)}")
     for spec in args.agents.split(","):
         if spec not in ("base", "sft", "rl") and not spec.startswith("openai:") and \
                 not os.path.isfile(os.path.join(spec, "adapter_config.json")):
@@ -143,20 +156,25 @@ def summarize(results: dict, n_boot: int = 1000, seed: int = 0) -> dict:
             "ci": {k: list(bootstrap_ci(results, k, n_boot, seed)) for k in ks}}
 
 
-def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, alpha: float = 0.05) -> dict:
-    """Agent a minus agent b, evaluated on the same tasks with the same user seeds (trial j of a task
-    meets the same simulated user in both runs). pass^1 difference, a paired bootstrap CI over tasks
-    (each resample keeps a task's a and b results together), and the exact McNemar test: of the
-    episodes where exactly one agent succeeded, only_a went to a and only_b to b; under "no difference"
-    each such episode is a fair coin, so p = P(a two-sided binomial tail at least that lopsided)."""
+def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, alpha: float = 0.05) -> dict | None:
+    """Agent a minus agent b on one metric ({task_id: [its value in each trial]}, e.g. pass1: 1.0 or 0.0),
+    evaluated on the same tasks with the same user seeds (trial j of a task meets the same simulated user in
+    both runs); a trial where either value is None (the metric does not apply) leaves both. The mean
+    difference, a paired bootstrap CI over tasks (each resample keeps a task's a and b results together), and
+    the exact sign test (McNemar's on a 0/1 metric): of the episodes where the two differ, a was higher in
+    only_a and b in only_b; under "no difference" each is a fair coin, so p = P(a two-sided binomial tail
+    at least that lopsided). None when no trial pairs up."""
     if set(a) != set(b) or any(len(a[t]) != len(b[t]) for t in a):
         raise ValueError("paired comparison needs the same tasks and trials for both agents")
-    ids = sorted(a)
-    diffs = [sum((x >= 1) - (y >= 1) for x, y in zip(a[t], b[t])) / len(a[t]) for t in ids]
+    pairs = {t: [(x, y) for x, y in zip(a[t], b[t]) if x is not None and y is not None] for t in sorted(a)}
+    ids = [t for t in pairs if pairs[t]]
+    if not ids:
+        return None
+    diffs = [sum(x - y for x, y in pairs[t]) / len(pairs[t]) for t in ids]
     rng = random.Random(seed)
     boot = sorted(sum(rng.choices(diffs, k=len(ids))) / len(ids) for _ in range(n_boot))
-    only_a = sum(x >= 1 > y for t in ids for x, y in zip(a[t], b[t]))
-    only_b = sum(y >= 1 > x for t in ids for x, y in zip(a[t], b[t]))
+    only_a = sum(x > y for t in ids for x, y in pairs[t])
+    only_b = sum(y > x for t in ids for x, y in pairs[t])
     n = only_a + only_b
     p = min(1.0, 2 * sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2 ** n) if n else 1.0
     return {"diff": sum(diffs) / len(ids), "ci": [boot[int(alpha / 2 * n_boot)], boot[int((1 - alpha / 2) * n_boot) - 1]],
@@ -192,7 +210,8 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
     {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included),
-    "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "seconds".
+    "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "metrics"
+    {metric: {task_id: [its value in each trial]}} and their means "behaviour" (see behaviour), "seconds".
     """
     t0 = time.time()
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
@@ -228,7 +247,11 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
         for t in tasks:
             groups[getattr(t, attr)][t.id] = rewards[t.id]
         return {g: summarize(r, n_boot, seed) for g, r in sorted(groups.items())}
-    asked = [a for a in map(asked_before_writing, trajs) if a is not None]
+    values = {m: defaultdict(list) for m in METRICS}        # metric -> task id -> its value in each trial
+    by_id = {t.id: t for t in tasks}
+    for tr in trajs:
+        for m, v in episode_metrics(by_id[tr.task_id], tr).items():
+            values[m][tr.task_id].append(v)
     n = lambda key: sum(tr.stats[key] for tr in trajs)   # noqa: E731; tool_calls counts every executed call
     calls = {"turns": sum(tr.turns for tr in trajs), "ok": n("tool_calls") - n("tool_errors"),
              "err": n("tool_errors"), "malformed": n("malformed_calls")}
@@ -242,7 +265,35 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
             "extras": {d: {k: sum(v) / len(v) for k, v in e.items()} for d, e in extras.items()},
             "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
-            "writes": {"episodes": len(asked), "asked_first": sum(asked)}, "seconds": time.time() - t0}
+            "metrics": {m: dict(v) for m, v in values.items()}, "seconds": time.time() - t0,
+            "behaviour": behaviour(values, {t.id: t.domain for t in tasks})}
+
+
+def episode_metrics(task, traj) -> dict:
+    """One episode's METRICS, None where one does not apply (no write to ask before, no fact withheld)."""
+    asked = asked_before_writing(traj)
+    return {"pass1": float(traj.reward >= 1), "correct_state": traj.stats["correct_state"],
+            "finished": float(traj.stop_reason in envs.ENDED), "asked_first": None if asked is None else float(asked),
+            "facts_asked": facts_asked(task, traj), "turns": traj.turns}
+
+
+def behaviour(values: dict, domain_of: dict) -> dict:
+    """{"all" and each domain: {metric: {"mean" over the episodes it applies to (None: none), "n": their number}}}."""
+    groups = ["all", *sorted(set(domain_of.values()))]
+    means = lambda vs: {"mean": sum(vs) / len(vs) if vs else None, "n": len(vs)}    # noqa: E731
+    return {g: {m: means([v for t, trials in per_task.items() if g in ("all", domain_of[t]) for v in trials
+                          if v is not None]) for m, per_task in values.items()} for g in groups}
+
+
+def facts_asked(task, traj) -> float | None:
+    """Of the facts the task needs that the user's opening withheld (oracle.withheld), the share the agent's text
+    asked for (users.asked_for: the words the scripted user listens for). None when none was withheld (an easy
+    task's opening names them all, and --user none gives them all) or the world has no hidden facts (τ²)."""
+    if not hasattr(task, "hidden_facts"):
+        return None
+    missing = oracle.withheld(task, next(m["content"] for m in traj.messages if m["role"] == "user").lower())
+    said = " ".join(users.visible_text(m["content"]).lower() for m in traj.messages if m["role"] == "assistant")
+    return sum(users.asked_for(k, said) for k in missing) / len(missing) if missing else None
 
 
 def asked_before_writing(traj) -> bool | None:
@@ -267,23 +318,30 @@ def asked_before_writing(traj) -> bool | None:
 
 # ----------------------------------------------------------------------------- report
 
-def pair_up(results: dict, domain_of: dict, seed: int = 0) -> tuple[dict, dict]:
-    """Every later agent against every earlier one ("rl - sft"), on all tasks; and, when the tasks span
-    several domains, on each domain's tasks ("rl - sft (airline)"): RL trained on one domain can gain
-    there and lose on another, which the overall difference averages away."""
+def pair_up(results: dict, domain_of: dict, seed: int = 0, metric: str = "pass1") -> tuple[dict, dict]:
+    """Every later agent against every earlier one that met the same user ("rl - sft"; with several users the
+    labels are "agent @ user" and the pairs "rl - sft @ none"), on `metric`, over all tasks; and, when the tasks
+    span several domains, over each domain's ("rl - sft (airline)"): RL trained on one domain can gain there and
+    lose on another, which the overall difference averages away. Pairs with no episode to compare are left out."""
     labels, domains = list(results), sorted(set(domain_of.values()))
     def pair(b, a, domain=None):            # on the tasks both agents kept (a lost simulator drops a task)
         both = set(results[a]["tau"]["rewards"]) & set(results[b]["tau"]["rewards"])
-        keep = lambda rewards: {t: r for t, r in rewards.items() if t in both and domain in (None, domain_of[t])}  # noqa: E731
-        return paired_difference(keep(results[b]["tau"]["rewards"]), keep(results[a]["tau"]["rewards"]), seed=seed)
-    duos = [(b, a) for i, a in enumerate(labels) for b in labels[i + 1:]]
-    return ({f"{b} - {a}": pair(b, a) for b, a in duos},
-            {f"{b} - {a} ({d})": pair(b, a, d) for d in domains if len(domains) > 1 for b, a in duos})
+        keep = lambda x: {t: v for t, v in results[x]["tau"]["metrics"][metric].items()  # noqa: E731
+                          if t in both and domain in (None, domain_of[t])}
+        return paired_difference(keep(b), keep(a), seed=seed)
+    def name(b, a):
+        (agent_b, _, user), agent_a = b.partition(" @ "), a.partition(" @ ")[0]
+        return f"{agent_b} - {agent_a}" + f" @ {user}" * bool(user)
+    duos = [(b, a) for i, a in enumerate(labels) for b in labels[i + 1:] if a.partition(" @ ")[2] == b.partition(" @ ")[2]]
+    overall = {name(b, a): pair(b, a) for b, a in duos}
+    per_domain = {f"{name(b, a)} ({d})": pair(b, a, d) for d in domains if len(domains) > 1 for b, a in duos}
+    return {k: v for k, v in overall.items() if v}, {k: v for k, v in per_domain.items() if v}
 
 
 def markdown(results: dict, pairs: dict | None = None) -> str:
     """Side-by-side table of every agent: pass^k overall with CI, pass^1 per domain, per tier and per scenario;
-    then the paired comparisons (see paired_difference)."""
+    the behaviour metrics per agent and domain; under several users, a grid of agents x users per paired metric;
+    then the paired comparisons, pairs = {metric: {comparison: paired_difference}}."""
     agents = list(results)
     first = results[agents[0]]["tau"]
     ks = list(first["overall"]["pass^k"])
@@ -294,7 +352,7 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
              "each; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
              " | ".join(f"{g} pass^1" for g, _ in groups) + " | tool calls ok / err / malformed per 100 "
-             "turns | first write after asking to confirm | user-sim suspects |",
+             "turns | user-sim suspects |",
              "|---" * (len(ks) + len(groups) + 4) + "|"]
     for a in agents:
         tau = results[a]["tau"]
@@ -303,17 +361,30 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
         c = tau["calls"]
         row += [" / ".join(f"{100 * c[k] / max(1, c['turns']):.0f}" for k in ("ok", "err", "malformed")) +
                 f" ({c['turns']} turns)"]
-        w = tau["writes"]
-        row += [f"{w['asked_first']} of {w['episodes']} episodes" if w["episodes"] else "-"]
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-"]
         lines.append(f"| {a} | " + " | ".join(row) + " |")
-    if pairs:
-        lines += ["", "Paired on the same tasks and user seeds: pass^1 difference with a 95% paired bootstrap CI "
-                  "over tasks; McNemar exact test on the episodes where exactly one agent succeeded.", "",
-                  "| comparison | difference | 95% CI | only the first solved | only the second solved | McNemar p |",
+    lines += ["", "What the agents did (README, Metrics): each metric's mean over the episodes it applies to, with "
+              "their number where it is not every episode's.", "",
+              "| agent | domain | episodes | " + " | ".join(METRICS.values()) + " |", "|---" * (len(METRICS) + 3) + "|"]
+    cell = lambda v, n=0: "-" if v["mean"] is None else f"{v['mean']:.3f}" + f" ({v['n']})" * (v["n"] < n)  # noqa: E731
+    for a in agents:
+        for g, b in results[a]["tau"]["behaviour"].items():
+            n = b["pass1"]["n"]
+            lines.append(f"| {a} | {g} | {n} | " + " | ".join(cell(b[m], n) for m in METRICS) + " |")
+    users_ = list(dict.fromkeys(a.partition(" @ ")[2] for a in agents))
+    for m in pairs if len(users_) > 1 else []:      # the 2 x 2: trained with / without a user, evaluated with / without
+        lines += ["", f"| {METRICS[m]}, all tasks: agent, evaluated with | " + " | ".join(users_) + " |",
+                  "|---" * (len(users_) + 1) + "|"]
+        for x in dict.fromkeys(a.partition(" @ ")[0] for a in agents):
+            lines.append(f"| {x} | " + " | ".join(cell(results[f"{x} @ {u}"]["tau"]["behaviour"]["all"][m])
+                                                 if f"{x} @ {u}" in results else "-" for u in users_) + " |")
+    for m, ps in ((m, ps) for m, ps in (pairs or {}).items() if ps):
+        lines += ["", f"Paired on the same tasks and user seeds: the difference in {METRICS[m]}, with a 95% paired "
+                  "bootstrap CI over tasks and the exact sign test (McNemar's on a 0/1 metric) on the episodes where "
+                  "the two differ.", "", "| comparison | difference | 95% CI | first higher | second higher | p |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {name} | {d['diff']:+.3f} | [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] | {d['only_a']} | "
-                  f"{d['only_b']} | {d['mcnemar_p']:.4f} |" for name, d in pairs.items()]
+                  f"{d['only_b']} | {d['mcnemar_p']:.4f} |" for name, d in ps.items()]
     lines += ["", "| scenario | tasks | " + " | ".join(f"{a} pass^1" for a in agents) + " |",
               "|---" * (len(agents) + 2) + "|"]
     for s, summary in first["per_scenario"].items():
@@ -333,10 +404,10 @@ def paper_tables(results: dict) -> str:
     return "".join(out)
 
 
-def plot(results: dict, path: str, pairs: dict | None = None):
+def plot(results: dict, path: str, pairs: dict | None = None, metric: str = "pass1"):
     """Three panels, each titled in one line: pass^1 of every agent with its 95% CI; pass^1 per domain; and each
-    paired difference with its 95% paired CI (a point left of 0: the first agent did worse)."""
-    short = lambda a: re.sub(r"^runs/(agents/)?|/adapter$", "", a)   # noqa: E731; runs/X/adapter -> X
+    paired difference in `metric` with its 95% paired CI (a point left of 0: the first agent did worse)."""
+    short = lambda a: re.sub(r"^runs/(agents/)?|/adapter\b", "", a)   # noqa: E731; runs/X/adapter -> X
     agents = list(results)
     domains = list(results[agents[0]]["tau"]["per_domain"])
     pairs = pairs or {}
@@ -371,7 +442,7 @@ def plot(results: dict, path: str, pairs: dict | None = None):
         ax.set_yticks(range(len(names)), [" - ".join(map(short, n.split(" - "))) for n in names])
         lo = min(-0.1, *(pairs[n]["ci"][0] for n in names)) - 0.05
         ax.set(xlim=(lo, max(0.1, *(pairs[n]["ci"][1] for n in names)) + 0.2), ylim=(-0.6, len(names) - 0.4),
-               title="paired difference in pass^1 (95% CI)")
+               title=f"paired difference in {METRICS[metric]} (95% CI)")
     common.save_figure(fig, path)
 
 
@@ -379,41 +450,44 @@ def main(argv=None):
     args = parse_args(argv)                 # bad input: one line, exit 2, before anything loads
     common.start_run(args, args.out)
     tasks = worlds.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
-    user_kw = common.user_kwargs(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local: the base
-                                          if args.user == "local" else ()))                       # model plays the user
-    results = {}
+    user_specs, metrics, results = args.user.split(","), args.paired_metric.split(","), {}
     for spec in args.agents.split(","):
         built = build_agent(spec.strip(), args)
         if built is None:
             continue
-        agent, tok, label = built
-        print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {args.user}")
-        tau = evaluate(agent, tok, tasks, args.trials, args.user, args.seed, args.max_turns, args.max_context,
-                       recheck=args.recheck, n_boot=args.n_boot, **user_kw)
-        results[label] = {"tau": tau}
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
-        with open(os.path.join(args.out, f"failures_{safe}.jsonl"), "w") as f:
-            for rec in tau["failures"]:
-                f.write(json.dumps(rec) + "\n")
-        o = tau["overall"]
-        print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) +
-              f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
-              f"  simulator failures {tau['sim_failures']} ({tau['tasks_lost']} tasks left out)  stops {tau['stop_reasons']}  asked before writing {tau['writes']['asked_first']}/{tau['writes']['episodes']}"
-              f"  {tau['seconds']:.0f}s")
+        agent, tok, name = built
+        for user in user_specs:             # every agent meets every user: one label each, "agent @ user" if several
+            label = name if len(user_specs) == 1 else f"{name} @ {user}"
+            user_kw = common.user_kwargs(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local:
+                                                 if user == "local" else ()), user=user)   # the base model plays it
+            print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {user}")
+            tau = evaluate(agent, tok, tasks, args.trials, user, args.seed, args.max_turns, args.max_context,
+                           recheck=args.recheck, n_boot=args.n_boot, **user_kw)
+            results[label] = {"tau": tau}
+            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
+            with open(os.path.join(args.out, f"failures_{safe}.jsonl"), "w") as f:
+                for rec in tau["failures"]:
+                    f.write(json.dumps(rec) + "\n")
+            o, b = tau["overall"], tau["behaviour"]["all"]
+            print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) + "  " +
+                  "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +
+                  f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
+                  f"  simulator failures {tau['sim_failures']} ({tau['tasks_lost']} tasks left out)  stops {tau['stop_reasons']}"
+                  f"  {tau['seconds']:.0f}s")
         del agent
     if not results:
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")
     for r in results.values():              # the failures live in their own files
         r["tau"]["n_failed"] = len(r["tau"].pop("failures"))
-    pairs, domain_pairs = pair_up(results, {t.id: t.domain for t in tasks}, args.seed)
-    all_pairs = pairs | domain_pairs       # the plot shows the overall ones only
+    pairs = {m: pair_up(results, {t.id: t.domain for t in tasks}, args.seed, m) for m in metrics}
+    all_pairs = {m: overall | per_domain for m, (overall, per_domain) in pairs.items()}   # the plot: overall only
     table = markdown(results, all_pairs) + paper_tables(results)
     print(table)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"agents": results, "paired": all_pairs}, f, indent=2)
-    plot(results, os.path.join(args.out, "eval.png"), pairs)
+    plot(results, os.path.join(args.out, "eval.png"), pairs[metrics[0]][0], metrics[0])
     print(f"wrote {args.out}/results.md, results.json, eval.png")
     return results
 

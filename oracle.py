@@ -58,18 +58,36 @@ def _heard(value: str, heard: str) -> bool:
     return str(value).lower() in heard or envs.REASONS.get(value, "\0").lower() in heard
 
 
-def confirmation(task, action) -> str:
-    """'Please confirm: <the call, every argument named>. Yes or no?' A bag update first says the
-    request back in the user's words ("add 2 more checked bags to reservation ..."): the 135M student
-    did not fetch the number from the opening, two tool results back, for the sum "0 + 2 = 2", but it
-    copies the number after the same words it followed there, and the sum can then use it."""
+def plan(task, action) -> str:
+    """A write said in words, every argument named. A bag update first says the request back in the user's
+    words ("add 2 more checked bags to reservation ..."): the 135M student did not fetch the number from the
+    opening, two tool results back, for the sum "0 + 2 = 2", but it copies the number after the same words it
+    followed there, and the sum can then use it."""
     more = re.fullmatch(r"(\d+) more", task.hidden_facts.get("bags", ""))
     if action.name == "update_reservation_baggages" and more:
         k, rid = int(more[1]), action.arguments["reservation_id"]
-        request = f"add {k} more checked bag{'s' * (k > 1)} to reservation {rid}, "
-    else:
-        request = ""
-    return f"Please confirm: {request}{describe(action, task)}. Yes or no?"
+        return f"add {k} more checked bag{'s' * (k > 1)} to reservation {rid}, {describe(action, task)}"
+    return describe(action, task)
+
+
+def confirmation(task, action) -> str:
+    """'Please confirm: <the write's plan>. Yes or no?'"""
+    return f"Please confirm: {plan(task, action)}. Yes or no?"
+
+
+def withheld(task, heard: str) -> list[str]:
+    """The hidden facts the task needs that `heard` (what the user said, lowercase) does not give: what an agent
+    has to ask for. Needed: a gold call uses it, or the task writes (a careful agent asks about insurance or
+    bags before it books); never name and zip, since the email identifies a retail user."""
+    writes = any(a.name in envs.WRITE_TOOLS[task.domain] for a in task.gold_actions)
+    return [k for k, v in task.hidden_facts.items() if k not in IDENTITY_ALTERNATIVES and not _heard(v, heard)
+            and (writes or any(_uses(v, a) for a in task.gold_actions))]
+
+
+def alone(task, messages: list[dict]) -> bool:
+    """Is nobody there to answer? users.NoUser (--user none) opens with the task's whole instruction and every
+    fact, and the first text the agent sends ends the episode."""
+    return next((m["content"] for m in messages if m["role"] == "user"), "").startswith(task.instruction)
 
 
 def oracle_reply(task, messages: list[dict]) -> str:
@@ -78,8 +96,11 @@ def oracle_reply(task, messages: list[dict]) -> str:
     off the conversation (how many tool calls it has made, which facts it has heard or asked for, whether
     the user just said yes to its confirmation request). Plan: ask for the facts the next steps need (all in
     one message), look up (a turn that is only the tool call), ask to confirm each write naming every
-    argument, make the call after a yes, then report what was done (or refuse, saying why)."""
-    writes = envs.WRITE_TOOLS[task.domain]
+    argument, make the call after a yes, then report what was done (or refuse, saying why). With no user
+    (alone) it asks nothing and confirms nothing: it looks up, says each write's plan in the turn that makes
+    it (the words its confirmation would use, so both cold starts write the same numbers before a write), and
+    its report ends the episode."""
+    writes, solo = envs.WRITE_TOOLS[task.domain], alone(task, messages)
     agent = [m for m in messages if m["role"] == "assistant"]
     heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
     asked = " ".join(m["content"] for m in agent).lower()
@@ -95,17 +116,18 @@ def oracle_reply(task, messages: list[dict]) -> str:
             if a.name in writes:
                 break
         first_write = upcoming[-1].name in writes and writes_done == 0
-        missing = [k for k, v in task.hidden_facts.items()
-                   if k not in IDENTITY_ALTERNATIVES and not _heard(v, heard)
-                   and not any(w in asked for w in users.FACT_KEYWORDS[k])
-                   and (any(_uses(v, a) for a in upcoming)
-                        or (first_write and not any(_uses(v, a) for a in task.gold_actions)))]
-        if missing:
+        facts = task.hidden_facts
+        missing = [k for k in withheld(task, heard) if not any(w in asked for w in users.FACT_KEYWORDS[k])
+                   and (any(_uses(facts[k], a) for a in upcoming)
+                        or (first_write and not any(_uses(facts[k], a) for a in task.gold_actions)))]
+        if missing and not solo:
             q = [QUESTIONS.get(k, f"your {users.FACT_KEYWORDS[k][0]}") for k in missing]
             return f"Please give me {', '.join(q[:-1]) + ' and ' * (len(q) > 1) + q[-1]}."
         call = "<tool_call>\n" + json.dumps({"name": action.name, "arguments": action.arguments}) + "\n</tool_call>"
         if action.name not in writes:
             return call
+        if solo:                            # no one to confirm with: the plan in words, then the call, one turn
+            return f"I will {plan(task, action)}.\n{call}"
         # 2. a write: ask to confirm (naming every argument, so every confirm term); act after a yes
         confirm = confirmation(task, action)
         if agent and agent[-1]["content"] == confirm and _is_yes(messages[-1]["content"]):

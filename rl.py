@@ -10,7 +10,9 @@ Run:
     python rl.py                        # from runs/sft/adapter; CPU preset without a GPU, paper sizes with one
     python rl.py --steps 3              # resume that run for two more steps
     python rl.py --init base            # ablation: no cold start
-    python rl.py --user none            # ablation: the whole instruction up front, no user turns
+    python rl.py --user none --init runs/sft_none/adapter   # ablation: no user (the whole task up front), from
+                                                           #   the matched cold start, sft.py --user none
+    python rl.py --domains retail,airline                  # both domains (the preset trains airline's easy tier)
     python rl.py --reward shaped        # ablation: partial credit for correct writes
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
     python rl.py --rollouts runs/rl/rollouts --loss-agg seq-mean --out runs/rl_seqmean   # same rollouts, other update

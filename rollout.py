@@ -451,8 +451,11 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "s
         bar.set_postfix_str(f"round {rounds}, {sampled} tokens sampled, {sampled / (time.time() - t0):.1f} tok/s")
     bar.close()
     for env, u, traj in convs:                           # reward on what the user could read
-        traj.reward = float(env.reward([visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"],
-                                       stop_reason=traj.stop_reason))
+        said = [visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]
+        traj.reward = float(env.reward(said, stop_reason=traj.stop_reason))
         traj.diff, traj.stats["user_usage"] = env.diff(), dict(u.usage)
+        # the end state alone, however the episode ended (the binary reward without τ²'s cut-short rule): eval.py's
+        # "correct end state", which tells a right write the agent never reported from a wrong one
+        traj.stats["correct_state"] = float(env.reward(said) >= 1)
         traj.stats["extras"] = env.extras() if hasattr(env, "extras") else {}   # e.g. ACEBench's process score
     return [traj for _, _, traj in convs]

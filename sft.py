@@ -19,6 +19,8 @@ What it does
 Run
   python sft.py                          # CPU preset -> runs/sft/adapter (sized for ~10 min on 2 cores)
   python sft.py --smoke --out /tmp/sft   # 1 step on real data (tests/test_sft.py)
+  python sft.py --user none --out runs/sft_none   # the no-user cold start: the whole task in the first message,
+                                         #   the oracle asks nothing and confirms nothing (rl.py --user none's init)
   python sft.py --teacher gpt-4o         # an LLM teacher makes the data (any OpenAI-compatible server:
                                          #   --teacher-base-url http://localhost:8000/v1; key: $OPENAI_API_KEY)
   python sft.py --model Qwen/Qwen3-8B --load-in-4bit    # on a GPU the "gpu" preset applies (below)
@@ -116,9 +118,12 @@ def parse_args(argv=None):
         common.fail("--batch-size", f"{args.batch_size} is not a multiple of --micro-batch-size {args.micro_batch_size}")
     if args.warmup_ratio > 1 or args.lora_dropout >= 1:
         common.fail("--warmup-ratio" if args.warmup_ratio > 1 else "--lora-dropout", "must be below 1")
-    if args.teacher is None and args.user in ("local", "none"):
-        common.fail("--user", f"{args.user} cannot answer the oracle agent's questions; use scripted (ours), oracle "
-                    "(τ²) or openai:MODEL")
+    if args.teacher is None and args.user == "local":
+        common.fail("--user", "local cannot answer the oracle agent's questions; use scripted (ours), oracle (τ²) "
+                    "or openai:MODEL")
+    if args.user == "none" and (needs := [d for d in args.domains.split(",") if d not in worlds.NO_USER_FORM]):
+        common.fail("--user", f"none: {needs[0]} has no no-user form (its tasks are written for a user who says "
+                    f"what they want); none works on {', '.join(worlds.NO_USER_FORM)}")
     return args
 
 

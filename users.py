@@ -2,7 +2,8 @@
 
 A user gets its task (instruction, opening, hidden facts) and the agent's visible text, never the tools,
 the policy or the DB. One interface, User.first_message() / User.reply(messages), four implementations:
-  ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user)
+  ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user); its personas
+                (--user scripted:NAME, PERSONAS) speak and reveal differently, and no training uses them
   OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
   LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
@@ -59,6 +60,12 @@ def asks_confirmation(text: str) -> bool:
     return bool(_ASKS_CONFIRM.search(text))
 
 
+def asked_for(key: str, text: str) -> bool:
+    """Does this (lowercase) agent text ask for fact `key`? It uses a word of FACT_KEYWORDS[key], the scripted
+    user's own test before it reveals that fact (eval.py counts the facts asked for with it)."""
+    return any(re.search(r"\b" + re.escape(w), text) for w in FACT_KEYWORDS[key])
+
+
 def names(text: str, term) -> bool:
     """Does text name term (a value, or a list of alternatives), as a whole word? ("3" is not in "13")"""
     alts = term if isinstance(term, list) else [term]
@@ -85,15 +92,19 @@ class ScriptedUser(User):
 
     def __init__(self, task, seed: int = 0, patience: int = 10):
         super().__init__(task)
-        self.keywords, self.rng, self.patience, self.replies = FACT_KEYWORDS, random.Random(seed), patience, 0
-        self.confirmed = [False] * len(task.confirm_terms)
+        self.rng, self.patience, self.replies = random.Random(seed), patience, 0
+        self.confirmed, self.opening = [False] * len(task.confirm_terms), task.opening
 
     def first_message(self) -> str:
         greet = self.rng.choice(self.GREET)                # openings that already greet get no second hello
-        return self.task.opening if re.match(r"(hi|hello|hey)\b", self.task.opening, re.I) else greet + self.task.opening
+        return self.opening if re.match(r"(hi|hello|hey)\b", self.opening, re.I) else greet + self.opening
 
     def _fact(self, key: str) -> str:
         return f"My {key.replace('_', ' ')} is {self.task.hidden_facts[key]}."
+
+    def _answer(self, asked: list[str]) -> list[str]:
+        """The facts it reveals when asked for these (all of them, in FACT_KEYWORDS' order)."""
+        return [self._fact(k) for k in asked]
 
     def _confirm(self, text: str) -> list[str]:
         """Answer a confirmation request: yes to the first unconfirmed write whose values it all names,
@@ -109,7 +120,7 @@ class ScriptedUser(User):
         closest = max(pending, key=lambda i: len(named[i]))
         wrong = [k for k in self.task.confirm_terms[closest] if k not in named[closest]]
         fixes = [self._fact(k) for k in wrong if k in self.task.hidden_facts]
-        return [self.rng.choice(self.NO)] + fixes + [self.task.opening] * (len(fixes) < len(wrong))
+        return [self.rng.choice(self.NO)] + fixes + [self.opening] * (len(fixes) < len(wrong))
 
     def reply(self, messages: list[dict]) -> str:
         self.replies += 1
@@ -121,16 +132,54 @@ class ScriptedUser(User):
             if _REPORTS_DONE.search(last) and not asks_confirmation(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
             return self.rng.choice(self.WAIT)
-        asked = [k for k, words in self.keywords.items()
-                 if k in self.task.hidden_facts and any(re.search(r"\b" + re.escape(w), low) for w in words)]
+        asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, low)]
         if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
             outs = self.task.required_outputs
             if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
                 return f"{self.rng.choice(self.THANKS)} {STOP}"
         if asks_confirmation(last) and self.task.confirm_terms:   # answers the request, nothing more
             return " ".join(self._confirm(last))
-        facts = [self._fact(k) for k in asked]
-        return " ".join(facts or [self.rng.choice(self.NUDGE)] + [self.task.opening] * (self.rng.random() < 0.5))
+        facts = self._answer(asked)
+        return " ".join(facts or [self.rng.choice(self.NUDGE)] + [self.opening] * (self.rng.random() < 0.5))
+
+
+class CuriousUser(ScriptedUser):
+    """Persona "curious" (--user scripted:curious), for evaluation only: does an agent trained with ScriptedUser
+    overfit it? Other words for everything; an opening that names the request but none of the ids an easy task's
+    opening gives (so the agent has to ask); asked for several facts, it gives one, the last asked; and it answers
+    the first request to confirm with a question of its own, deciding only when asked again. The confirmation
+    rule (every value of the write named, no rival) is ScriptedUser's."""
+
+    GREET = ("", "Hello! ", "Hi there. ", "Evening. ")
+    YES = ("Sure, do it.", "Yep, that's what I want, go ahead.", "That is correct.", "Sure.")
+    NO = ("Nope, that's wrong.", "No, not like that.", "Nope, please don't.")
+    THANKS = ("Lovely, thanks a lot, bye!", "Got it, thanks, that's all I needed.", "Cheers, all good now.")
+    NUDGE = ("So, can you sort it out?", "What happens next?", "Anything you need from me?")
+    WAIT = ("Alright, please make the change now.", "Okay, I'm waiting for it to be done.", "Please carry on.")
+    BACK = ("Before I answer: will this cost me anything extra?", "Wait, can that be undone later if I change my mind?",
+            "Hmm, how long will that take to go through?")
+    REQUESTS = {"cancel_order": "Could you cancel one of my orders for me?",     # openings without their ids
+                "add_bags": "I need extra checked luggage on one of my bookings."}
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task, seed, patience)
+        self.opening, self.asked_back = self.REQUESTS.get(task.scenario, task.opening), False
+
+    def _fact(self, key: str) -> str:
+        return f"The {key.replace('_', ' ')}: {self.task.hidden_facts[key]}."
+
+    def _answer(self, asked: list[str]) -> list[str]:
+        return [self._fact(asked[-1])] if asked else []
+
+    def reply(self, messages: list[dict]) -> str:
+        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
+        if not self.asked_back and said and asks_confirmation(said[-1]) and not all(self.confirmed):
+            self.asked_back, self.replies = True, self.replies + 1
+            return self.rng.choice(self.BACK)
+        return super().reply(messages)
+
+
+PERSONAS = {"curious": CuriousUser}      # --user scripted:NAME; plain "scripted" is ScriptedUser
 
 
 class NoUser(User):
@@ -306,13 +355,17 @@ def ask_users(calls: list, workers: int) -> list:
 
 
 def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:
-    """worlds.make_user for our domains. spec: "scripted" | "none" | "local" | "openai:MODEL"; env unused."""
+    """worlds.make_user for our domains. spec: "scripted" | "scripted:PERSONA" | "none" | "local" | "openai:MODEL";
+    env unused."""
     if spec == "scripted":
         return ScriptedUser(task, seed)
+    if spec.startswith("scripted:") and spec[9:] in PERSONAS:
+        return PERSONAS[spec[9:]](task, seed)
     if spec == "none":
         return NoUser(task)
     if spec == "local":
         return LocalUser(task, **kw)
     if spec.startswith("openai:"):
         return OpenAIUser(task, spec.split(":", 1)[1], **kw)
-    raise SystemExit(f"unknown user simulator {spec!r}: use scripted, none, local or openai:MODEL")
+    raise SystemExit(f"unknown user simulator {spec!r}: use scripted, scripted:PERSONA ({', '.join(PERSONAS)}), none, "
+                     "local or openai:MODEL")

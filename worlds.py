@@ -27,6 +27,10 @@ WORLDS = {   # family -> (its domains, the module of its tasks and envs, of its 
              "bfcl_domains"),
 }
 DOMAINS = {d: family for family, (domains, *_) in WORLDS.items() for d in domains}   # domain -> family
+# Domains with a no-user form (--user none: the whole task in the first message, nothing to ask) that the gold
+# agent solves alone, so sft.py can make a matched no-user cold start: ours, and ACEBench's multi-step, which has
+# no user anyway. τ²'s and ACEBench's multi-turn tasks are written for a user who says what they want.
+NO_USER_FORM = ("retail", "airline", "acebench-multi-step")
 
 
 def family(domain: str) -> str:

@@ -57,6 +57,18 @@ def test_paired_difference_by_hand():
         ev.paired_difference({"t1": [1]}, {"t2": [1]})
 
 
+def test_paired_difference_on_shares_and_metrics_that_do_not_always_apply():
+    """facts asked for is a share, asked before writing is None where an agent made no write: the difference is the
+    mean over the trials both have a value for, and the sign test counts where either was higher."""
+    a = {"t1": [1.0, 0.5], "t2": [None, 1.0], "t3": [0.0, None]}
+    b = {"t1": [0.5, 0.5], "t2": [0.0, 0.0], "t3": [1.0, 1.0]}
+    d = ev.paired_difference(a, b, n_boot=500)
+    # per task: t1 (0.5 + 0) / 2 = 0.25, t2 (1 - 0) = 1, t3 (0 - 1) = -1; mean 0.25 / 3
+    assert d["diff"] == pytest.approx(0.25 / 3) and d["n_tasks"] == 3
+    assert (d["only_a"], d["only_b"]) == (2, 1) and d["mcnemar_p"] == pytest.approx(1.0)
+    assert ev.paired_difference({"t": [None]}, {"t": [1.0]}) is None     # nothing pairs up
+
+
 def test_paired_bootstrap_is_tighter_than_two_independent_intervals():
     """Two agents that mostly agree: the paired CI of the difference excludes 0 where the unpaired
     reading (comparing the two agents' own CIs) could not tell them apart."""
@@ -97,7 +109,10 @@ def test_oracle_agent_passes_every_held_out_task(tasks, tok):
     assert sum(s["n_tasks"] for s in r["per_scenario"].values()) == 4
     import envs                                                  # every write the oracle makes, it confirms first
     n_write = 2 * sum(any(a.name in envs.WRITE_TOOLS[t.domain] for a in t.gold_actions) for t in tasks)
-    assert n_write and r["writes"] == {"episodes": n_write, "asked_first": n_write}
+    b = r["behaviour"]["all"]
+    assert n_write and b["asked_first"] == {"mean": 1.0, "n": n_write}
+    assert {m: b[m]["mean"] for m in ("pass1", "correct_state", "finished")} == dict.fromkeys(("pass1", "correct_state", "finished"), 1.0)
+    assert b["turns"]["mean"] == r["calls"]["turns"] / 8 and set(r["behaviour"]) == {"all", "retail", "airline"}
     assert r["stop_reasons"] == {"user_stop": 8}                   # the oracle reports, then the user stops
     # the oracle makes exactly the gold calls, each executed without error
     assert r["calls"] == {"turns": r["calls"]["turns"], "ok": 2 * sum(len(t.gold_actions) for t in tasks),
@@ -117,6 +132,81 @@ def test_asked_before_writing_reads_the_order_of_request_and_write():
     assert asked(dict(look, content=ask["content"] + " <tool_call>...</tool_call>"), write) is False   # asked, but acted at once
     assert asked(look, ask, yes) is None                           # no write, nothing to count
     assert asked(ask, yes, write, domain="tau2-retail") is None    # no write list for τ²'s tools
+
+
+class WriteAndWaitAgent(rollout.TextAgent):
+    """Makes the gold calls at once, asking nothing and confirming nothing, then never says it is done."""
+
+    def respond(self, task, messages):
+        n = sum(bool(m.get("tool_calls")) for m in messages if m["role"] == "assistant")
+        if n == len(task.gold_actions):
+            return "Let me check one more thing."
+        a = task.gold_actions[n]
+        return "<tool_call>" + json.dumps({"name": a.name, "arguments": a.arguments}) + "</tool_call>"
+
+
+def test_behaviour_metrics_tell_apart_agents_that_each_miss_something(tasks, tok):
+    """Episodes whose answers are known, 2 easy and 2 medium tasks (the medium openings withhold their ids). The
+    oracle does it all. WriteAndWait leaves the right end state but, never reporting, runs to the turn cap: pass^1 0
+    and correct end state 1, the gap τ²'s rule opens; it wrote without asking and asked for no fact. Silent writes
+    nothing (asked before writing does not apply) and asks nothing. Paired: the oracle's gain over WriteAndWait is
+    all pass^1, finishing and asking, none of it the end state."""
+    from rollout import OracleAgent
+    run = lambda agent: ev.evaluate(agent, tok, tasks, trials=1, max_turns=8, progress=False, n_boot=20)   # noqa: E731
+    got = {name: run(agent) for name, agent in [("oracle", OracleAgent(tok)), ("writer", WriteAndWaitAgent(tok)),
+                                                ("silent", SilentAgent(tok))]}
+    mean = lambda name, group="all": {m: v["mean"] for m, v in got[name]["behaviour"][group].items()}   # noqa: E731
+    assert mean("oracle") == {"pass1": 1.0, "correct_state": 1.0, "finished": 1.0, "asked_first": 1.0,
+                              "facts_asked": 1.0, "turns": mean("oracle")["turns"]}
+    assert mean("writer") == {"pass1": 0.0, "correct_state": 1.0, "finished": 0.0, "asked_first": 0.0,
+                              "facts_asked": 0.0, "turns": 8.0}
+    assert mean("silent") == {"pass1": 0.0, "correct_state": 0.0, "finished": 0.0, "asked_first": None,
+                              "facts_asked": 0.0, "turns": 8.0}
+    b = got["oracle"]["behaviour"]
+    assert (b["all"]["asked_first"]["n"], b["all"]["facts_asked"]["n"], b["retail"]["facts_asked"]["n"]) == (4, 2, 1)
+    assert got["writer"]["stop_reasons"] == {"max_turns": 4} and got["writer"]["metrics"]["correct_state"] == \
+        {t.id: [1.0] for t in tasks}
+    results = {name: {"tau": got[name]} for name in ("writer", "oracle")}
+    domain_of = {t.id: t.domain for t in tasks}
+    diff = {m: ev.pair_up(results, domain_of, metric=m)[0]["oracle - writer"]["diff"] for m in ev.METRICS if m != "turns"}
+    assert diff == {"pass1": 1.0, "correct_state": 0.0, "finished": 1.0, "asked_first": 1.0, "facts_asked": 1.0}
+
+
+def test_facts_asked_counts_the_withheld_facts_the_agent_asked_for():
+    """cancel_trip's opening names no id: of user_id, reservation_id and reason, the agent asked for two (the
+    words the scripted user listens for); a tool call's arguments are not asking. Given in the opening (or with
+    no user, every fact up front), nothing is withheld and the metric does not apply."""
+    import envs
+    import users
+    task = next(t for t in envs.make_tasks("airline", "test", 8) if t.scenario == "cancel_trip")
+    ask = lambda *said, opening=task.opening: ev.facts_asked(task, SimpleNamespace(messages=[   # noqa: E731
+        {"role": "user", "content": opening}] + [{"role": "assistant", "content": x} for x in said]))
+    assert ask("What is your user id?", '<tool_call>{"reason": "x"}</tool_call>', "And the reservation id?") == \
+        pytest.approx(2 / 3)
+    assert ask("Sure, one moment.") == 0.0 and ask("Why? Your reservation id and user id, please.") == 1.0
+    assert ask("Hello.", opening=users.NoUser(task).first_message()) is None
+    retail = next(t for t in envs.make_tasks("retail", "test", 2) if t.scenario == "cancel_order")
+    assert ev.facts_asked(retail, SimpleNamespace(messages=[{"role": "user", "content": retail.opening}])) is None
+
+
+def test_grid_of_agents_and_users_is_the_two_by_two(tasks, tok):
+    """Two agents, each evaluated with the scripted user and with none: pairs only within a user, and one grid
+    per paired metric. With nobody to answer, the oracle writes at once and finishes; WriteAndWait's write
+    then scores too."""
+    from rollout import OracleAgent
+    results = {}
+    for name, agent in [("oracle", OracleAgent(tok)), ("writer", WriteAndWaitAgent(tok))]:
+        for user in ("scripted", "none"):
+            results[f"{name} @ {user}"] = {"tau": ev.evaluate(agent, tok, tasks, trials=1, user=user, max_turns=8,
+                                                              progress=False, n_boot=20)}
+    pairs = {m: ev.pair_up(results, {t.id: t.domain for t in tasks}, metric=m)[0] for m in ("pass1", "asked_first")}
+    assert list(pairs["pass1"]) == ["writer - oracle @ scripted", "writer - oracle @ none"]
+    assert [d["diff"] for d in pairs["pass1"].values()] == [-1.0, 0.0]
+    assert results["oracle @ none"]["tau"]["behaviour"]["all"]["asked_first"] == {"mean": 0.0, "n": 4}
+    table = ev.markdown(results, pairs)
+    assert "| pass^1, all tasks: agent, evaluated with | scripted | none |" in table
+    assert "| oracle | 1.000 | 1.000 |" in table and "| writer | 0.000 | 1.000 |" in table
+    assert "| asked before writing, all tasks: agent, evaluated with | scripted | none |" in table
 
 
 class FlakyAgent(rollout.TextAgent):
@@ -153,23 +243,28 @@ def test_report_table_and_plot(tmp_path):
            "per_domain": {"retail": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20)},
            "per_tier": {"easy": ev.summarize({"a": [1, 0]}, 20), "medium": ev.summarize({"b": [1, 1]}, 20)},
            "per_scenario": {"cancel_order": ev.summarize({"a": [1, 0]}, 20), "return_item": ev.summarize({"b": [1, 1]}, 20)},
-           "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2}, "writes": {"episodes": 3, "asked_first": 2}}
+           "calls": {"turns": 40, "ok": 10, "err": 6, "malformed": 2},
+           "behaviour": {"all": {m: {"mean": 0.5, "n": 4} for m in ev.METRICS} | {"asked_first": {"mean": 2 / 3, "n": 3},
+                                                                                   "facts_asked": {"mean": None, "n": 0}}}}
     results = {"base": {"tau": tau}, "rl": {"tau": tau}}
-    pairs = {"rl - base": ev.paired_difference({"a": [1, 0], "b": [1, 1]}, {"a": [0, 0], "b": [1, 1]}, 100)}
+    pairs = {"pass1": {"rl - base": ev.paired_difference({"a": [1, 0], "b": [1, 1]}, {"a": [0, 0], "b": [1, 1]}, 100)}}
     table = ev.markdown(results, pairs)
-    assert "| rl - base | +0.250 | [" in table and "| 1 | 0 | 1.0000 |" in table
+    assert "| rl - base | +0.250 | [" in table and "| 1 | 0 | 1.0000 |" in table and "difference in pass^1" in table
     assert "| base | 0.750 [" in table and "| return_item | 1 | 1.000 | 1.000 |" in table
-    assert "| 25 / 15 / 5 (40 turns) | 2 of 3 episodes | 0 of 1 rechecked |" in table
+    assert "| 25 / 15 / 5 (40 turns) | 0 of 1 rechecked |" in table
     assert "| easy pass^1 | medium pass^1 |" in table and "(retail: 2, easy: 1, medium: 1)" in table
-    ev.plot(results, str(tmp_path / "p.png"), pairs)
+    assert "| rl | all | 4 | 0.500 | 0.500 | 0.500 | 0.667 (3) | - | 0.500 |" in table   # behaviour: n where fewer
+    assert "evaluated with |" not in table                                               # one user: no grid
+    ev.plot(results, str(tmp_path / "p.png"), pairs["pass1"])
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
 def test_pairs_per_domain_keep_each_domains_tasks_together():
     """rl gains 2 airline tasks and loses 2 retail ones: 0 overall, +1 and -1 per domain."""
     domain_of = {"a1": "airline", "a2": "airline", "r1": "retail", "r2": "retail"}
-    results = {"sft": {"tau": {"rewards": {"a1": [0], "a2": [0], "r1": [1], "r2": [1]}}},
-               "rl": {"tau": {"rewards": {"a1": [1], "a2": [1], "r1": [0], "r2": [0]}}}}
+    tau = lambda r: {"rewards": r, "metrics": {"pass1": r}}                                # noqa: E731
+    results = {"sft": {"tau": tau({"a1": [0], "a2": [0], "r1": [1], "r2": [1]})},
+               "rl": {"tau": tau({"a1": [1], "a2": [1], "r1": [0], "r2": [0]})}}
     pairs, per_domain = ev.pair_up(results, domain_of)
     assert pairs["rl - sft"]["diff"] == 0 and pairs["rl - sft"]["only_a"] == 2 == pairs["rl - sft"]["only_b"]
     assert per_domain["rl - sft (airline)"]["diff"] == 1 and per_domain["rl - sft (airline)"]["n_tasks"] == 2
