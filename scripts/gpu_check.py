@@ -31,8 +31,8 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import sys
+import tempfile
 import time
 import traceback
 from types import SimpleNamespace
@@ -53,7 +53,8 @@ VALUE_TOL, GRAD_TOL = (1e-5, 1e-5), (1e-5, 8e-3)
 
 def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json and the stages' runs go")
+    p.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json goes (only it: the stages' runs "
+                   "and their small model go to a temp dir)")
     p.add_argument("--cpu", action="store_true", help="the CPU rehearsal: every part at toy shapes")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, ".gpu_kit", "tokenizer"), help="the carried "
@@ -268,10 +269,11 @@ def part_sampler(args, ctx, part):
     def batch(rows):
         return [(None, system, shared + torch.randint(0, ids_below, (int(torch.randint(*own, (1,), generator=g)),),
                                                       generator=g).tolist()) for _ in range(rows)]
-    ModelAgent(model, tok, 1.0, 4, kv_budget=budget).act(batch(2))        # warm-up: kernels, cuBLAS handles
+    ModelAgent(model, tok, 1.0, 4, kv_budget=budget).act(batch(8))        # warm-up: kernels, cuBLAS handles
     part.update(budget_gib=budget / GIB, kv_kib_per_token=per_token / 1024, prefix=prefix, own=own, new=new, rows=[])
-    print(f"  {prefix} shared + {own[0]}-{own[1]} own tokens a row, <= {new} new; KV {per_token / 1024:.0f} KiB a "
-          f"token, budget {budget / GIB:.2f} GiB = {budget // per_token} tokens", flush=True)
+    print(f"  one round, every row new: {prefix} shared + {own[0]}-{own[1]} own tokens a row prefilled, then <= {new} "
+          f"sampled (tok/s counts both); KV {per_token / 1024:.0f} KiB a token, budget {budget / GIB:.2f} GiB = "
+          f"{budget // per_token} tokens", flush=True)
     for rows in (8, 32, 64):
         agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=new, kv_budget=budget)
         b = batch(rows)
@@ -312,7 +314,7 @@ def part_stages(args, ctx, part):
     from transformers import AutoModelForCausalLM
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from tiny_qwen3 import qwen3_config
-    small = os.path.join(args.out, "small-qwen3")
+    small = os.path.join(ctx.work, "small-qwen3")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(qwen3_config(len(ctx.tok)), dtype=torch.float32)
     model.config.eos_token_id, model.config.pad_token_id = ctx.tok.eos_token_id, ctx.tok.pad_token_id
@@ -325,8 +327,7 @@ def part_stages(args, ctx, part):
     ids = bench_trl.task_ids(ns.tasks)
     part["stages"] = {}
     for stage in ("rl", "rl_trl"):
-        out = os.path.join(args.out, stage)
-        shutil.rmtree(out, ignore_errors=True)     # a fresh step, never a resumed run
+        out = os.path.join(ctx.work, stage)
         argv = bench_trl.stage_argv(stage, ns, out) + ["--load-in-4bit", "--grad-checkpointing", "on"]
         print(f"  {stage}.py {' '.join(argv)}", flush=True)
         wall, rss, rc = bench_trl.run(stage, ids, ns, argv)
@@ -355,6 +356,7 @@ def main(argv=None):
     args = parse_args(argv)                           # bad input: one line, exit 2, before anything loads
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"          # before kernels/ defines its @triton.jit functions
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""       # the same rehearsal on any machine, the stages' processes too
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     os.makedirs(args.out, exist_ok=True)
     cuda = not args.cpu
@@ -368,7 +370,8 @@ def main(argv=None):
     def free():
         gc.collect()
         torch.cuda.empty_cache() if cuda else None
-    ctx = SimpleNamespace(device="cuda" if cuda else "cpu", tok=load_tokenizer(args), model=None, config=None, free=free)
+    ctx = SimpleNamespace(device="cuda" if cuda else "cpu", tok=load_tokenizer(args), model=None, config=None, free=free,
+                          work=tempfile.mkdtemp(prefix="gpu_check-"))
     path = os.path.join(args.out, "gpu_check.json")
     for name in args.parts:
         print(f"\n== {name}", flush=True)
