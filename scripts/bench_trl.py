@@ -77,6 +77,38 @@ def run(stage, task_ids, args, argv):
     return time.time() - t0, usage.ru_maxrss / 2**20, proc.returncode
 
 
+def task_ids(tasks: int) -> list[str]:
+    """The first tasks/2 easy train tasks of retail and of airline."""
+    sys.path.insert(0, ROOT)
+    import worlds
+    return [t.id for d in ("retail", "airline") for t in worlds.make_tasks(d, "train", 1000, ["easy"])[:tasks // 2]]
+
+
+def stage_argv(stage: str, args, out: str) -> list[str]:
+    """STAGE.main's flags: the settings both sides share, then the stage's own (rl.py: one batch of exactly the
+    step's tasks, no held-out curve, an fp32 update), then --out."""
+    shared = ["--init", "base", "--steps", "1", "--domains", "retail,airline", "--tiers", "easy",
+              "--tasks", str(args.tasks), "--group-size", str(args.group_size), "--max-turns", str(args.max_turns),
+              "--max-new-tokens", str(args.max_new_tokens), "--max-context", str(args.max_context),
+              "--micro-batch", str(args.micro_batch), "--temperature", "1.0", "--lr", "1e-4",
+              "--grad-checkpointing", "off"] + (["--model", args.model] if args.model else [])
+    own = ["--draw", str(args.tasks), "--max-draws", "1", "--eval-every", "0", "--train-bf16", "off"] if stage == "rl" else []
+    return shared + own + ["--out", out]
+
+
+def step_row(stage: str, out: str, args, wall: float, rss: float) -> dict:
+    """One side's step from what it wrote under out: seconds (wall, step, rollout, update), sampled tokens, peak RSS."""
+    m = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))][-1]
+    if stage == "rl":
+        step, roll, tokens, trained = m["s_per_step"], m["rollout_s"], m["tokens"], m["groups_trained"] * args.group_size
+    else:
+        step = json.load(open(os.path.join(out, "step_seconds.json")))
+        roll, tokens = m["rollout_s"], round(m["completions/mean_length"] * args.tasks * args.group_size)
+        trained = args.tasks * args.group_size
+    return dict(wall=wall, step=step, rollout=roll, update=step - roll, tokens=tokens, tok_s=tokens / roll, rss=rss,
+                trained=trained, metrics=m)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model of both sides (default: the bundled SmolLM2)")
@@ -95,32 +127,16 @@ def main():
         return child(args.child, args.task_ids.split(","), args.real_rewards, [a for a in rest if a != "--"])
     if args.tasks % 2:
         raise SystemExit(f"--tasks {args.tasks}: use an even number (half retail, half airline)")
-    sys.path.insert(0, ROOT)
-    import worlds
-    task_ids = [t.id for d in ("retail", "airline") for t in worlds.make_tasks(d, "train", 1000, ["easy"])[:args.tasks // 2]]
+    ids = task_ids(args.tasks)
     out = args.out or tempfile.mkdtemp(prefix="bench_trl-")
-    shared = ["--init", "base", "--steps", "1", "--domains", "retail,airline", "--tiers", "easy",
-              "--tasks", str(args.tasks), "--group-size", str(args.group_size), "--max-turns", str(args.max_turns),
-              "--max-new-tokens", str(args.max_new_tokens), "--max-context", str(args.max_context),
-              "--micro-batch", str(args.micro_batch), "--temperature", "1.0", "--lr", "1e-4",
-              "--grad-checkpointing", "off"] + (["--model", args.model] if args.model else [])
-    print(f"tasks {task_ids} x {args.group_size} rollouts, {args.max_turns} turns, {args.max_new_tokens} tokens a turn; "
+    print(f"tasks {ids} x {args.group_size} rollouts, {args.max_turns} turns, {args.max_new_tokens} tokens a turn; "
           f"rewards {'Env.reward' if args.real_rewards else 'rollout t scores t % 2'}; out {out}", flush=True)
     rows = {}
-    for stage, extra in (("rl", ["--draw", str(args.tasks), "--max-draws", "1", "--eval-every", "0",
-                                 "--train-bf16", "off"]), ("rl_trl", [])):
-        wall, rss, rc = run(stage, task_ids, args, shared + extra + ["--out", os.path.join(out, stage)])
+    for stage in ("rl", "rl_trl"):
+        wall, rss, rc = run(stage, ids, args, stage_argv(stage, args, os.path.join(out, stage)))
         if rc:
             raise SystemExit(f"{stage}.py exited with {rc}; see its output above")
-        m = [json.loads(x) for x in open(os.path.join(out, stage, "metrics.jsonl"))][-1]
-        if stage == "rl":
-            step, roll, tokens, trained = m["s_per_step"], m["rollout_s"], m["tokens"], m["groups_trained"] * args.group_size
-        else:
-            step = json.load(open(os.path.join(out, stage, "step_seconds.json")))
-            roll, tokens = m["rollout_s"], round(m["completions/mean_length"] * args.tasks * args.group_size)
-            trained = args.tasks * args.group_size
-        rows[stage] = dict(wall=wall, step=step, rollout=roll, update=step - roll, tokens=tokens,
-                           tok_s=tokens / roll, rss=rss, trained=trained)
+        rows[stage] = step_row(stage, os.path.join(out, stage), args, wall, rss)
     print(f"\n{'':>12} {'wall s':>8} {'step s':>8} {'rollout s':>10} {'update s':>9} {'sampled':>8} "
           f"{'tok/s':>7} {'peak RSS GiB':>13} {'rows trained':>13}")
     for name, r in (("rl.py", rows["rl"]), ("rl_trl.py", rows["rl_trl"])):

@@ -68,38 +68,43 @@ def qwen3_shapes(tiny: bool = False):
 
 
 def nf4_lora_model(config, device):
-    """Random weights of `config` with every decoder Linear in bitsandbytes NF4 (quantized as it moves to
-    `device`), embeddings and lm_head in the compute dtype, LoRA r16 on all linear projections."""
+    """Random weights of `config` with every decoder Linear in bitsandbytes NF4, embeddings and lm_head in the
+    compute dtype, LoRA r16 on all linear projections. Made on `device`: the random init runs there (seconds on
+    a GPU for Qwen3-8B, where a CPU takes minutes), then each decoder Linear is quantized in place, its
+    bf16 weight freed as it goes: the build peaks at the bf16 model (16 GiB for Qwen3-8B)."""
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
     import rollout
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)      # on CPU, random weights
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)     # random weights, on the device
 
     def to_nf4(module):
         for name, child in module.named_children():
             if isinstance(child, torch.nn.Linear):
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                      compute_dtype=dtype, quant_type="nf4")
+                                      compute_dtype=dtype, quant_type="nf4", device="meta")
                 q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
                 q.bias = child.bias
-                setattr(module, name, q)
+                setattr(module, name, q.to(device))                      # .to quantizes the weight
             else:
                 to_nf4(child)
     to_nf4(model.model.layers)
-    return rollout.add_lora(model.to(device), r=16, alpha=32)
+    return rollout.add_lora(model, r=16, alpha=32)
 
 
-def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
+def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
     """One GRPO step at paper scale: Qwen3-8B shapes with random weights, NF4 + LoRA r16, n_seq sequences
     of seq_len tokens (loss on the second half), activation checkpointing, micro-batch 1. Prints the
-    weights' size and the step's peak memory (GPU: torch's allocator; CPU: the process's peak RSS).
-    On CPU main() runs it at tiny Qwen3 shapes: the same code path, numbers that say nothing about 8B."""
+    weights' size and the step's peak memory (GPU: torch's allocator, all this process holds; CPU: the
+    process's peak RSS). On CPU main() runs it at tiny Qwen3 shapes: the same code path, numbers that say
+    nothing about 8B. model: nf4_lora_model(config, device) made already (scripts/gpu_check.py samples with it
+    after)."""
     import resource
     from types import SimpleNamespace
     from kernels.attention import kv_bytes_per_token
     config = config or qwen3_shapes()
-    model = nf4_lora_model(config, device)
+    model = nf4_lora_model(config, device) if model is None else model
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     cuda = device == "cuda"
@@ -117,14 +122,16 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda"):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     t0 = time.time()
     st = grpo_update(model, opt, trajs, adv, args, pad_id=0)
+    seconds = time.time() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     kv = kv_bytes_per_token(config, model.get_input_embeddings().weight.dtype)
     print(f"memory-check ({device}): {config.num_hidden_layers} layers x {config.hidden_size} NF4+LoRA, {n_seq}x{seq_len} "
           f"tokens, one GRPO step: weights {weights_gib:.2f} GiB, peak {peak:.2f} GiB "
-          f"({'allocated' if cuda else 'process RSS'}; target <= 20 at Qwen3-8B shapes), {time.time() - t0:.0f} s, "
+          f"({'allocated' if cuda else 'process RSS'}; target <= 20 at Qwen3-8B shapes), {seconds:.0f} s, "
           f"{st['tokens']} trained tokens, grad norm {st['grad_norm']:.3f}, KV {kv / 1024:.1f} KiB/token"
           + (f" -> {'OK' if peak <= 20 else 'OVER'}" if cuda else ""))
-    return dict(weights_gib=weights_gib, peak_gib=peak, grad_norm=st["grad_norm"], tokens=st["tokens"], kv_bytes=kv)
+    return dict(weights_gib=weights_gib, peak_gib=peak, seconds=seconds, grad_norm=st["grad_norm"], tokens=st["tokens"],
+                kv_bytes=kv)
 
 
 def main():

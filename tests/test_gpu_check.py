@@ -1,0 +1,39 @@
+"""scripts/gpu_check.py's bad input: one line on stderr naming the flag or the missing package, exit 2, before
+anything loads. The check's CPU rehearsal itself (`python scripts/gpu_check.py --cpu`) runs in .ci/run, after
+the fast suite: it takes minutes."""
+import pytest
+import torch
+
+from scripts import gpu_check
+
+CASES = [   # bad flags, what the line must name
+    (["--cpu", "--parts", "kernel,nope"], "--parts"),
+    (["--cpu", "--update-seqs", "1"], "--update-seqs"),
+    (["--cpu", "--kv-budget", "nan"], "--kv-budget"),
+    (["--cpu", "--rep", "0"], "--rep"),
+]
+
+
+@pytest.mark.parametrize("flags, name", CASES, ids=[" ".join(f) for f, _ in CASES])
+def test_each_bad_flag_is_one_line_naming_it_and_exit_2(capsys, flags, name):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and name in err[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_without_cuda_the_gpu_command_says_so_and_points_at_the_rehearsal(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args([])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "no CUDA device" in err[0] and "--cpu" in err[0], err
+
+
+def test_a_package_the_kit_carries_missing_is_named_with_the_kit_script(capsys, monkeypatch):
+    monkeypatch.setattr(gpu_check, "KIT", gpu_check.KIT + ("no_such_carried_package",))
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args(["--cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "no_such_carried_package" in err[0] and "scripts/gpu_kit.sh" in err[0], err
