@@ -24,7 +24,8 @@ Run
   python eval.py --bfcl 20                        # also BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
-  failures_<agent>.jsonl, bfcl_<agent>.jsonl.
+  failures_<agent>.jsonl, episodes_<agent>.jsonl, bfcl_<agent>.jsonl. `python viewer.py runs/eval` shows
+  the episodes as one page, and the tasks one agent solved and another did not, side by side.
   BFCL needs `pip install --no-deps bfcl-eval==2026.3.23` (its full dependency tree would downgrade
   numpy; the data, API classes and checker need only filelock and mpmath, which torch brings).
 
@@ -205,7 +206,8 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     """pass^k of `agent` (a rollout agent, or a model to wrap in ModelAgent) on `tasks`, `trials` each.
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
-    {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included),
+    {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included), "episodes" (every
+    Trajectory, those that lost their simulator included),
     "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "seconds".
     """
     if not hasattr(agent, "act"):
@@ -256,9 +258,17 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
             "per_scenario": per("scenario"), "sim_failures": sum(tr.failed != "" for tr in every),
             "tasks_lost": len(lost),
             "extras": {d: {k: sum(v) / len(v) for k, v in e.items()} for d, e in extras.items()},
-            "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
+            "rewards": rewards, "failures": failures, "episodes": every, "rechecked": len(failed),
+            "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
             "writes": {"episodes": len(asked), "asked_first": sum(asked)}, "seconds": time.time() - t0}
+
+
+def save_episodes(path: str, agent: str, trajs):
+    """Every episode of one agent, a Trajectory a line (token ids, masks, log-probs, messages, reward, diff, stop
+    reason) with the agent's label: `python viewer.py OUT` shows them, and where the agents differ."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"agent": agent, **vars(t)}) + "\n" for t in trajs)
 
 
 def asked_before_writing(traj) -> bool | None:
@@ -586,6 +596,7 @@ def main(argv=None):
         with open(os.path.join(args.out, f"failures_{safe}.jsonl"), "w") as f:
             for rec in tau["failures"]:
                 f.write(json.dumps(rec) + "\n")
+        save_episodes(os.path.join(args.out, f"episodes_{safe}.jsonl"), label, tau.pop("episodes"))
         o = tau["overall"]
         print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) +
               f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
