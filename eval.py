@@ -30,7 +30,8 @@ Run
                  --max-turns 80 --max-context 16384    # BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
-  failures_<agent>.jsonl.
+  failures_<agent>.jsonl, episodes_<agent>.jsonl. `python viewer.py runs/eval` shows the episodes as one page,
+  and the tasks one agent solved and another did not, side by side.
 
 Simplifications vs the paper
   * our procedural retail/airline domains by default, scripted user; τ²-bench itself with
@@ -209,7 +210,8 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each.
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
-    {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included),
+    {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included), "episodes" (every
+    Trajectory, those that lost their simulator included),
     "stop_reasons", "calls" (agent turns; tool calls executed ok / refused by the env / malformed), "metrics"
     {metric: {task_id: [its value in each trial]}} and their means "behaviour" (see behaviour), "seconds".
     """
@@ -263,7 +265,8 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
             "per_scenario": per("scenario"), "sim_failures": sum(tr.failed != "" for tr in every),
             "tasks_lost": len(lost),
             "extras": {d: {k: sum(v) / len(v) for k, v in e.items()} for d, e in extras.items()},
-            "rewards": rewards, "failures": failures, "rechecked": len(failed), "user_sim_suspects": len(rescued),
+            "rewards": rewards, "failures": failures, "episodes": every, "rechecked": len(failed),
+            "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
             "metrics": {m: dict(v) for m, v in values.items()}, "seconds": time.time() - t0,
             "behaviour": behaviour(values, {t.id: t.domain for t in tasks})}
@@ -294,6 +297,13 @@ def facts_asked(task, traj) -> float | None:
     missing = oracle.withheld(task, next(m["content"] for m in traj.messages if m["role"] == "user").lower())
     said = " ".join(users.visible_text(m["content"]).lower() for m in traj.messages if m["role"] == "assistant")
     return sum(users.asked_for(k, said) for k in missing) / len(missing) if missing else None
+
+
+def save_episodes(path: str, agent: str, trajs):
+    """Every episode of one agent, a Trajectory a line (token ids, masks, log-probs, messages, reward, diff, stop
+    reason) with the agent's label: `python viewer.py OUT` shows them, and where the agents differ."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"agent": agent, **vars(t)}) + "\n" for t in trajs)
 
 
 def asked_before_writing(traj) -> bool | None:
@@ -468,6 +478,7 @@ def main(argv=None):
             with open(os.path.join(args.out, f"failures_{safe}.jsonl"), "w") as f:
                 for rec in tau["failures"]:
                     f.write(json.dumps(rec) + "\n")
+            save_episodes(os.path.join(args.out, f"episodes_{safe}.jsonl"), label, tau.pop("episodes"))
             o, b = tau["overall"], tau["behaviour"]["all"]
             print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) + "  " +
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +

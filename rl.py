@@ -17,8 +17,9 @@ Run:
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
     python rl.py --rollouts runs/rl/rollouts --loss-agg seq-mean --out runs/rl_seqmean   # same rollouts, other update
 Writes under --out (default runs/rl): args.json, metrics.jsonl (a line a step), rl.png, rollouts/ (each step's
-token ids, masks and rewards), reference/ (the starting adapter), ckpt-NNNNNN/ (the last two) and adapter/.
-Rerun the same command after a kill: it resumes.
+conversations: token ids, masks, log-probs, messages, rewards, diffs), reference/ (the starting adapter),
+ckpt-NNNNNN/ (the last two) and adapter/. Rerun the same command after a kill: it resumes.
+`python viewer.py runs/rl` shows the saved rollouts as one page: trained tokens, rewards, advantages.
 
 Simplifications versus the paper:
 - SmolLM2-135M-Instruct on CPU and LoRA instead of full fine-tuning; the reference is a frozen copy of the
@@ -310,9 +311,10 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
 
 
 def rollouts(agent, tok, tasks, step, d, args, user_kw):
-    """One batch of G rollouts per task, saved as <out>/rollouts/step-S-draw-D.jsonl (token ids, masks, sampler
-    log-probs, rewards; no text); with --rollouts DIR, read from another run's files instead of sampled, so
-    update rules (--loss-agg, --lr, --kl-coef, ...) can be compared on identical rollouts."""
+    """One batch of G rollouts per task, saved as <out>/rollouts/step-S-draw-D.jsonl (whole Trajectories: token
+    ids, masks, sampler log-probs, messages, rewards, diffs; viewer.py shows them); with --rollouts DIR, read
+    from another run's files instead of sampled, so update rules (--loss-agg, --lr, --kl-coef, ...) can be
+    compared on identical rollouts."""
     name = f"step-{step + 1:06d}-draw-{d}.jsonl"
     if args.rollouts:
         path = os.path.join(args.rollouts, name)
@@ -327,15 +329,26 @@ def rollouts(agent, tok, tasks, step, d, args, user_kw):
     os.makedirs(os.path.join(args.out, "rollouts"), exist_ok=True)
     with open(os.path.join(args.out, "rollouts", name), "w") as f:
         for t in trajs:
-            f.write(json.dumps({**vars(t), "messages": [], "diff": ""}) + "\n")
+            f.write(json.dumps(vars(t)) + "\n")
     return trajs
 
 
-def step_metrics(step, drawn, kept, lost, st, seconds):
-    """The step's log line fields: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds."""
+def step_metrics(step, drawn, kept, lost, st, adv, seconds):
+    """The step's log line fields: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds; and
+    per_group, what viewer.py shows: each drawn group's task, its rollouts (trials) and rewards, and either the
+    advantages it was trained with (adv: the kept groups' advantages, concatenated in `kept` order, None when
+    none was kept) or why it was filtered. A group whose every rollout lost its simulator is not listed."""
     rollouts = [t for g in drawn for t in g]
     rewards, sampled = torch.tensor([t.reward for t in rollouts]), sum(sum(t.loss_mask) for t in rollouts)
     per = lambda k: st[k] / max(st["tokens"], 1) if st else None                  # noqa: E731; None: no update
+    trained, rest = {}, [] if adv is None else adv.tolist()
+    for g in kept:                                  # id(group) -> its slice of adv
+        trained[id(g)], rest = rest[:len(g)], rest[len(g):]
+
+    def group(g):                                   # trained with these advantages, or filtered, and why
+        why = "" if id(g) in trained else "no variance" if len({t.reward for t in g}) == 1 else "over --tasks cap"
+        return dict(task=g[0].task_id, scenario=g[0].scenario, trials=[t.trial for t in g],
+                    rewards=[t.reward for t in g], trained=id(g) in trained, advantages=trained.get(id(g)), filtered=why)
     return dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
                 groups_drawn=len(drawn), groups_varied=sum(map(has_signal, drawn)),
                 groups_trained=len(kept), kl=per("kl_sum"), clip_frac=per("clipped"),
@@ -344,8 +357,7 @@ def step_metrics(step, drawn, kept, lost, st, seconds):
                 train_tokens=st["tokens"] if st else 0, turns=sum(t.turns for t in rollouts) / len(rollouts),
                 sim_failures=lost, **seconds,
                 tok_per_s=sampled / seconds["rollout_s"],
-                per_group=[dict(task=g[0].task_id, scenario=g[0].scenario, rewards=[t.reward for t in g], trained=any(g is k for k in kept))
-                           for g in drawn if g])
+                per_group=[group(g) for g in drawn if g])
 
 
 def log_line(m, steps) -> str:
@@ -401,13 +413,13 @@ def main(argv=None):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
         drawn, kept, lost = sample_groups(agent, tok, pools, step, args, user_kw)
-        t_roll, st = time.time() - t0, None
+        t_roll, st, adv = time.time() - t0, None, None
         if kept:                                  # 3. advantages within each kept group
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
                              ref_is_policy=not optimizer.state)
-        m = step_metrics(step, drawn, kept, lost, st, dict(rollout_s=t_roll, train_s=time.time() - t0 - t_roll))
+        m = step_metrics(step, drawn, kept, lost, st, adv, dict(rollout_s=t_roll, train_s=time.time() - t0 - t_roll))
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args, user_kw))
         m["s_per_step"] = time.time() - t0

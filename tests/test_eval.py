@@ -279,7 +279,7 @@ def test_smoke_run_writes_everything(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     o = saved["agents"]["base"]["tau"]["overall"]
     assert o["n_tasks"] == 1 and o["trials"] == 2 and 0.0 <= o["pass^k"]["1"] <= 1.0
-    for name in ("args.json", "results.md", "eval.png", "failures_base.jsonl"):
+    for name in ("args.json", "results.md", "eval.png", "failures_base.jsonl", "episodes_base.jsonl"):
         assert (tmp_path / name).exists(), name
     fails = [json.loads(l) for l in (tmp_path / "failures_base.jsonl").read_text().splitlines()]
     assert len(fails) == saved["agents"]["base"]["tau"]["n_failed"] and all("diff" in f for f in fails)
