@@ -120,7 +120,7 @@ class BfclEnv:
         self.tools = tool_schemas(task.entry["function"])
         self.allowed = {f["name"] for f in task.entry["function"]}
         self.decoded, self.steps, self.over = [[]], 0, False
-        self.name, self.verdict = f"mua_{os.getpid()}_{next(_RUN_IDS)}", None
+        self.name, self.checked, self.verdict = f"mua_{os.getpid()}_{next(_RUN_IDS)}", None, None
 
     def step(self, name, arguments) -> str:
         _, utils, *_ = _bfcl()
@@ -142,12 +142,15 @@ class BfclEnv:
         self.allowed |= {f["name"] for f in functions}
 
     def reward(self, assistant_texts=None, stop_reason: str | None = None) -> float:
-        if self.verdict is None:
-            _forget(self.name)                             # this rollout's API instances are done with
-            self.verdict = ({"valid": False, "error_type": envs.cut_short(stop_reason)} if envs.cut_short(stop_reason)
-                            else {"valid": False, "error_type": f"more than {MAX_STEPS} calls in a turn"} if self.over
-                            else score(self.task.entry, self.decoded, self.task.truth))
-        return float(self.verdict["valid"])
+        if self.checked is None:                           # BFCL's checker runs once; the episode's calls are done
+            _forget(self.name)
+            self.checked = score(self.task.entry, self.decoded, self.task.truth)
+        verdict = ({"valid": False, "error_type": envs.cut_short(stop_reason)} if envs.cut_short(stop_reason)
+                   else {"valid": False, "error_type": f"more than {MAX_STEPS} calls in a turn"} if self.over
+                   else self.checked)
+        if stop_reason is not None or self.verdict is None:      # diff() explains the episode's own reward
+            self.verdict = verdict
+        return float(verdict["valid"])
 
     def diff(self) -> str:
         return "" if self.verdict is None or self.verdict["valid"] else str(self.verdict.get("error_type", ""))
