@@ -92,7 +92,8 @@ def stage_argv(stage: str, args, out: str) -> list[str]:
               "--max-new-tokens", str(args.max_new_tokens), "--max-context", str(args.max_context),
               "--micro-batch", str(args.micro_batch), "--temperature", "1.0", "--lr", "1e-4",
               "--grad-checkpointing", "off"] + (["--model", args.model] if args.model else [])
-    own = ["--draw", str(args.tasks), "--max-draws", "1", "--eval-every", "0", "--train-bf16", "off"] if stage == "rl" else []
+    own = ["--draw", str(args.tasks), "--max-draws", "1", "--eval-every", "0", "--train-bf16", "off"] if stage == "rl" \
+        else ["--vllm", "off"]             # rl_trl.py's GPU preset colocates vLLM: both sides generate on their own
     return shared + own + ["--out", out]
 
 
