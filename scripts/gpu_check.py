@@ -47,6 +47,7 @@ PARTS = ("kernel", "update", "sampler", "stages")
 KIT = ("bitsandbytes", "peft", "trl", "datasets", "dill", "multiprocess")     # what scripts/gpu_kit.sh carries
 VERSIONS = ("torch", "transformers", "triton", "accelerate", "peft", "bitsandbytes", "trl", "datasets", "pyarrow",
             "fsspec", "huggingface_hub", "tokenizers", "numpy")
+STAGE_FLAGS = ["--load-in-4bit", "--grad-checkpointing", "on"]   # the stages' GPU path, beside bench_trl's flags
 GIB = 2**30
 # kernels' test tolerances (tests/test_kernels.py): |got - fp64| <= atol + rtol * |fp64|; gradients are stored bf16
 VALUE_TOL, GRAD_TOL = (1e-5, 1e-5), (1e-5, 8e-3)
@@ -333,7 +334,7 @@ def part_stages(args, ctx, part):
     part["stages"] = {}
     for stage in ("rl", "rl_trl"):
         out = os.path.join(ctx.work, stage)
-        argv = bench_trl.stage_argv(stage, ns, out) + ["--load-in-4bit", "--grad-checkpointing", "on"]
+        argv = bench_trl.stage_argv(stage, ns, out) + STAGE_FLAGS
         print(f"  {stage}.py {' '.join(argv)}", flush=True)
         wall, rss, rc = bench_trl.run(stage, ids, ns, argv)
         if rc:

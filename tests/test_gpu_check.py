@@ -1,6 +1,8 @@
 """scripts/gpu_check.py's bad input: one line on stderr naming the flag or the missing package, exit 2, before
 anything loads. The check's CPU rehearsal itself (`python scripts/gpu_check.py --cpu`) runs in .ci/run, after
 the fast suite: it takes minutes."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -37,3 +39,21 @@ def test_a_package_the_kit_carries_missing_is_named_with_the_kit_script(capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert "no_such_carried_package" in err[0] and "scripts/gpu_kit.sh" in err[0], err
+
+
+def test_the_stages_flags_parse_as_they_would_on_a_gpu_without_vllm(monkeypatch):
+    """A GPU picks the stages' GPU presets, whose rl_trl.py colocates vLLM, which the GPU test machine lacks: the
+    flags the check passes each stage must parse there too (the CPU rehearsal never takes that preset)."""
+    from types import SimpleNamespace
+    import rl
+    import rl_trl
+    from scripts import bench_trl
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    ns = SimpleNamespace(model="a-model-dir", tasks=2, group_size=4, max_turns=2, max_new_tokens=16, max_context=3072,
+                         micro_batch=2)
+    for stage, module in (("rl", rl), ("rl_trl", rl_trl)):
+        args = module.parse_args(bench_trl.stage_argv(stage, ns, "out") + gpu_check.STAGE_FLAGS)
+        assert args.load_in_4bit and args.grad_checkpointing == "on" and args.steps == 1
+    assert args.vllm == "off"
