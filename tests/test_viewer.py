@@ -135,7 +135,7 @@ def write_step(out, drawn_files, drawn, kept, lost):
     for d, trajs in enumerate(drawn_files):
         with open(out / "rollouts" / f"step-000001-draw-{d}.jsonl", "w") as f:
             f.writelines(json.dumps(vars(t)) + "\n" for t in trajs)
-    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g))[0] for g in kept]) if kept else None
+    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept]) if kept else None
     m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
@@ -182,9 +182,8 @@ class Mixed(rollout.TextAgent):
     (a script tag on the rest), the third never solved. Groups with variance, and one without."""
 
     def __init__(self, tokenizer):
-        from sft import OracleAgent
         super().__init__(tokenizer)
-        self.oracle, self.order, self.seen, self.count = OracleAgent(tokenizer), {}, {}, {}
+        self.oracle, self.order, self.seen, self.count = rollout.OracleAgent(tokenizer), {}, {}, {}
 
     def respond(self, task, messages):
         self.order.setdefault(task.id, len(self.order))
@@ -203,7 +202,7 @@ def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
     json.dump(vars(args), open(tmp_path / "args.json", "w"))
     pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
     drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
-    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g))[0] for g in kept])
+    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
     m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
