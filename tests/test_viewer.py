@@ -302,7 +302,10 @@ def test_smoke_runs_pages_open_in_chromium(tmp_path):
     rl_page = stage(["rl.py", "--init", "base"], tmp_path / "rl")
     eval_page = stage(["eval.py", "--agents", "base"], tmp_path / "eval")
     assert len(Page(open(rl_page).read()).episodes) == 4      # 2 steps x 1 task x 2 rollouts
-    assert len(Page(open(eval_page).read()).episodes) == 2     # 1 task x 2 trials, one agent: no pair differs
+    with open(tmp_path / "eval" / "episodes_base.jsonl") as f:
+        ran = sum(1 for _ in f)
+    assert ran == 4                                            # 2 domains x 1 task x 2 trials
+    assert len(Page(open(eval_page).read()).episodes) == ran   # one agent: no pair differs, each shown once
     for page in (rl_page, eval_page):
         open_in_chromium(page)
 
