@@ -356,7 +356,7 @@ def step_metrics(step, drawn, kept, lost, st, adv, seconds):
                 entropy=-sum(sum(t.logprobs) for t in rollouts) / max(sampled, 1), tokens=sampled,
                 train_tokens=st["tokens"] if st else 0, turns=sum(t.turns for t in rollouts) / len(rollouts),
                 sim_failures=lost, **seconds,
-                tok_per_s=sampled / seconds["rollout_s"],
+                tok_per_s=sampled / seconds["rollout_s"] if seconds["rollout_s"] else None,
                 per_group=[group(g) for g in drawn if g])
 
 
@@ -366,7 +366,7 @@ def log_line(m, steps) -> str:
             f"{m['groups_varied']} with signal of {m['groups_drawn']} | kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f}"
             f" | clip {f(m['clip_frac'], '.3f')} | gnorm {f(m['grad_norm'], '.3f')} | held-out "
             f"{f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | {m['s_per_step']:.0f} s/step | "
-            f"{m['tok_per_s']:.1f} tok/s")
+            f"{f(m['tok_per_s'], '.1f')} tok/s")
 
 
 def heldout_pass1(model, tok, tasks, args, user_kw) -> dict:
@@ -419,7 +419,8 @@ def main(argv=None):
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
                              ref_is_policy=not optimizer.state)
-        m = step_metrics(step, drawn, kept, lost, st, adv, dict(rollout_s=t_roll, train_s=time.time() - t0 - t_roll))
+        m = step_metrics(step, drawn, kept, lost, st, adv, dict(rollout_s=None if args.rollouts else t_roll,
+                                                                    train_s=time.time() - t0 - t_roll))
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args, user_kw))
         m["s_per_step"] = time.time() - t0
