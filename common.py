@@ -110,11 +110,13 @@ def add_grpo_args(p):
                    "backward (preset: GPU on; CPU off, which lets the system prompt run once per pass)")
 
 
-def fill_preset(args, presets: dict):
-    """Every flag left at None takes the value of the stage's preset: presets["smoke"] with --smoke, else
-    presets[--preset] (auto: "gpu" where CUDA is, else "cpu")."""
-    name = "smoke" if args.smoke else args.preset if args.preset != "auto" else \
-        "gpu" if torch.cuda.is_available() else "cpu"
+def fill_preset(args, presets: dict, name: str | None = None):
+    """Every flag left at None takes the value of the stage's preset: presets[name] if given (sampler.py: its
+    tour or its bench), else presets["smoke"] with --smoke, else presets[--preset] (auto: "gpu" where CUDA is,
+    else "cpu")."""
+    if name is None:
+        name = "smoke" if args.smoke else args.preset if args.preset != "auto" else \
+            "gpu" if torch.cuda.is_available() else "cpu"
     for k, v in presets[name].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)

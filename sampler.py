@@ -13,20 +13,31 @@ token for token, and sampled log-probs equal to a teacher-forced recomputation. 
 
 Run
   python sampler.py                 # a few episodes with the default model and the scripted user, printed
-  python sampler.py --bench         # sampled tokens/s: ModelAgent vs PlainAgent, in the same run
+  python sampler.py --bench         # tok/s of ModelAgent vs PlainAgent at rl.py's CPU rollouts, in the same run,
+                                    # against a matmul roofline, and where ModelAgent's seconds go
   python sampler.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
 """
+import contextlib
 import time
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import common
 import worlds
 from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
-                               prefill_together, token_slice, weight_major_linear)
+                               prefill_together, shared_prefix_attention, token_slice, weight_major_linear)
 from rollout import DEFAULT_MODEL, ChatFormat, load_adapter, load_model, run_episodes
+
+# The flags left unset: the tour prints a few retail episodes; the bench times rl.py's CPU rollouts (airline's easy
+# tier, its turn and token limits, groups of 8, T = 0.7).
+PRESETS = {"tour": dict(domain="retail", group_size=1, max_turns=6, max_new_tokens=128, max_context=8192,
+                        temperature=1.0),
+           "bench": dict(domain="airline", tiers="easy", group_size=8, **common.CPU_LIMITS, temperature=0.7)}
 
 
 # ----------------------------------------------------------------------------- the plain sampler
@@ -258,30 +269,140 @@ class ModelAgent:
 
 # ----------------------------------------------------------------------------- tour and bench
 
+class Profile:
+    """Where a rollout's seconds go, from timers wrapped around the sampler's parts while it runs (removed after):
+    the agent's calls (the rest is the users, the envs and the chat format); its forwards, decode steps inside the
+    decode loop (_sample) and prefill outside it (the shared prefix, each round's new user/tool turns); inside a
+    decode step the weight matmuls (every nn.Linear, the LM head's too) and the attention; the rest of the decode
+    loop is sampling and per-token Python. The attention's split between the shared prefix and the rows' own
+    tokens: every 10th decode call is run again over the own part alone (plain SDPA), timed apart, and its share
+    scaled to all calls."""
+
+    def __init__(self, agent):
+        self.agent, self.s, self.undo, self.calls = agent, Counter(), [], 0
+        self.sampling = self.decoding = False
+
+    def wrap(self, owner, name, key, flag=None, only=None):
+        """Time owner.name into self.s[key], or with only (a flag's name, or a function) only while it holds;
+        self.<flag> is set while it runs (with only: while both are)."""
+        plain, own = getattr(owner, name), isinstance(owner, type) or name in vars(owner)
+
+        def timed(*a, **kw):
+            counting = only is None or (only() if callable(only) else getattr(self, only))
+            if flag:
+                setattr(self, flag, counting)
+            t0 = time.perf_counter()
+            try:
+                return plain(*a, **kw)
+            finally:
+                if flag:
+                    setattr(self, flag, False)
+                if counting:
+                    self.s[key] += time.perf_counter() - t0
+        setattr(owner, name, timed)
+        self.undo.append((owner, name, plain, own))
+
+    def attention(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = shared_prefix_attention(*a, **kw)
+        if self.decoding:
+            self.s["attention"] += time.perf_counter() - t0
+            self.calls += 1
+            module, query, key, value, mask = a[:5]
+            if self.calls % 10 == 0 and kw.get("shared_prefix") is not None:
+                t1 = time.perf_counter()
+                sdpa_attention_forward(module, query, key, value, mask, scaling=kw.get("scaling"))
+                self.s["own sampled"] += time.perf_counter() - t1
+                self.s["attention sampled"] += t1 - t0
+        return out
+
+    def __enter__(self):
+        agent = self.agent
+        self.wrap(agent, "act", "agent")
+        self.wrap(agent, "_sample", "sample", flag="sampling")
+        self.wrap(agent.model, "forward", "prefill", only=lambda: not self.sampling)
+        self.wrap(agent.model, "forward", "decode", flag="decoding", only="sampling")
+        self.wrap(torch.nn.Linear, "forward", "weight matmuls", only="decoding")
+        AttentionInterface.register("shared_prefix", self.attention)
+        return self
+
+    def __exit__(self, *exc):
+        AttentionInterface.register("shared_prefix", shared_prefix_attention)
+        for owner, name, plain, own in reversed(self.undo):    # own: it was the owner's own attribute
+            setattr(owner, name, plain) if own else delattr(owner, name)
+
+    def report(self, total: float) -> str:
+        s = self.s
+        own = s["attention"] * s["own sampled"] / s["attention sampled"] if s["attention sampled"] else 0.0
+        rows = [("users, envs, chat format (outside the agent)", total - s["agent"]),
+                ("prefill forwards: the shared prefix, then each round's new user/tool turns", s["prefill"]),
+                ("decode: weight matmuls (every linear, the LM head's too)", s["weight matmuls"]),
+                ("decode: attention over the shared prefix", s["attention"] - own),
+                ("decode: attention over each row's own tokens", own),
+                ("decode: the rest of the forward (norms, rotary, residuals, KV writes, framework)",
+                 s["decode"] - s["weight matmuls"] - s["attention"]),
+                ("sampling and per-token Python in the decode loop", s["sample"] - s["decode"]),
+                ("the agent's other work (memo, caches, waves, LoRA merge)", s["agent"] - s["prefill"] - s["sample"])]
+        return "\n".join(f"  {name:<82} {sec:7.1f} s {100 * sec / total:5.1f}%" for name, sec in rows)
+
+
+def matmul_roofline(model, rows: int, reps: int = 5) -> float:
+    """Seconds one decode step of `rows` rows spends in its weight matmuls alone (every nn.Linear of the model
+    once, the LM head included, shaped as a decode step calls them, weight-major as the sampler runs them),
+    measured now: rows / this is the tok/s a sampler would reach if nothing else took time."""
+    shapes = Counter(tuple(m.weight.shape) for m in model.modules()
+                     if isinstance(m, torch.nn.Linear) and m.weight.is_floating_point())
+    total = 0.0
+    with weight_major_linear():
+        for (out, inp), count in shapes.items():
+            w, x = torch.randn(out, inp, dtype=model.dtype), torch.randn(rows, 1, inp, dtype=model.dtype)
+            F.linear(x, w)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                F.linear(x, w)
+            total += count * (time.perf_counter() - t0) / reps
+    return total
+
+
 def bench(model, tok, args):
-    """Sampled tokens/s in one run, same tasks and settings: PlainAgent (one conversation at a time, the whole
-    conversation fed every turn), ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent."""
-    tasks = worlds.make_tasks("retail", "train", 16, seed=args.seed)
-    kw = dict(max_turns=args.max_turns, progress=False)
-    agents = {"plain": PlainAgent(model, tok, 1.0, args.max_new_tokens),
-              "unmerged": ModelAgent(model, tok, 1.0, args.max_new_tokens, merge_lora=False),
-              "fast": ModelAgent(model, tok, 1.0, args.max_new_tokens)}
+    """Sampled tokens/s at each --rows (conversations: tasks x --group-size, advanced together as rl.py does),
+    in one run: PlainAgent (one conversation at a time, the whole conversation fed every turn: the baseline),
+    ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent; each against the weight-matmul
+    roofline measured in the same run. Then where ModelAgent's seconds went at the largest row count."""
+    g, rows = args.group_size, sorted({int(r) for r in args.rows.split(",")})
+    rows = sorted({-(-r // g) * g for r in rows})                         # whole groups
+    tasks = worlds.make_tasks(args.domain, "train", max(rows) // g, args.tiers and args.tiers.split(","),
+                              seed=args.seed)
+    kw = dict(max_turns=args.max_turns, max_context=args.max_context, progress=False, seed=args.seed)
+    agents = {"plain": lambda: PlainAgent(model, tok, args.temperature, args.max_new_tokens),
+              "unmerged": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens, merge_lora=False),
+              "fast": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens)}
     if not args.adapter:
         del agents["unmerged"]
-    run_episodes(agents["fast"], tok, tasks[:1], seed=args.seed, **kw)   # untimed warm-up: first-call overheads
-    print(f"bench: {args.max_turns} turns x <= {args.max_new_tokens} new tokens per conversation, "
-          f"{torch.get_num_threads()} threads, {model.device}\n{'convs':>5} {'agent':>9} {'tokens':>7} {'seconds':>8} "
-          f"{'tok/s':>7} {'speedup':>7}")
-    for n in (8, 16):
-        rates = {}
-        for name, agent in agents.items():
+    run_episodes(agents["fast"](), tok, tasks[:1], **{**kw, "max_turns": 1})   # untimed warm-up
+    print(f"bench: {args.domain} {args.tiers or 'all tiers'}, groups of {g}, <= {args.max_turns} turns x "
+          f"<= {args.max_new_tokens} new tokens, T {args.temperature}, {torch.get_num_threads()} threads, "
+          f"{model.device}\nroof: the tok/s if a decode step cost only its weight matmuls, measured in this run\n"
+          f"{'rows':>5} {'agent':>9} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'vs plain':>8} {'roof':>6} {'of roof':>7}")
+    rates, profile = {}, None
+    for n in rows:
+        roof = n / matmul_roofline(model, n)
+        for name, make in agents.items():
+            agent, prof = make(), None
             torch.manual_seed(args.seed)
-            t0 = time.time()
-            trajs = run_episodes(agent, tok, tasks[:n], seed=args.seed, **kw)
-            dt, toks = time.time() - t0, sum(sum(t.loss_mask) for t in trajs)
-            rates[name] = toks / dt
-            print(f"{n:>5} {name:>9} {toks:>7} {dt:>8.1f} {rates[name]:>7.1f} {rates[name] / rates['plain']:>6.2f}x",
-                  flush=True)
+            with Profile(agent) if name == "fast" and n == rows[-1] else contextlib.nullcontext() as prof:
+                t0 = time.perf_counter()
+                trajs = run_episodes(agent, tok, tasks[:n // g], g, **kw)
+                dt = time.perf_counter() - t0
+            toks = sum(sum(t.loss_mask) for t in trajs)
+            rates[n, name] = toks / dt
+            if prof:
+                profile = prof.report(dt)
+            print(f"{n:>5} {name:>9} {toks:>7} {dt:>8.1f} {toks / dt:>7.1f} {rates[n, name] / rates[n, 'plain']:>7.2f}x "
+                  f"{roof:>6.0f} {100 * toks / dt / roof:>6.1f}%", flush=True)
+    lo, hi = rows[0], rows[-1]
+    print(f"scaling: ModelAgent at {hi} rows runs at {rates[hi, 'fast'] / rates[lo, 'fast']:.2f}x its tok/s at {lo}")
+    print(f"profile (ModelAgent, {hi} rows): where the rollouts' {dt:.0f} seconds went\n{profile}")
 
 
 def main():
@@ -289,20 +410,26 @@ def main():
     common.add_model_args(ap, model_default=DEFAULT_MODEL)
     common.add_user_args(ap)
     ap.add_argument("--adapter", default=None, help="LoRA adapter dir to load (e.g. runs/rl/adapter)")
-    ap.add_argument("--domain", default="retail", help="a domain of worlds.py (retail, airline, tau2-..., ...)")
+    ap.add_argument("--domain", default=None, help="a domain of worlds.py (retail, airline, tau2-..., ...) (preset)")
+    ap.add_argument("--tiers", default=None, help="only tasks of these tiers, comma-separated (preset)")
     ap.add_argument("--split", default="train", help="train | test")
     ap.add_argument("--tasks", type=int, default=4, help="number of tasks")
-    ap.add_argument("--group-size", type=int, default=1, help="rollouts per task")
-    ap.add_argument("--max-turns", type=int, default=6, help="max agent turns per episode")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="max new tokens per agent turn")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--group-size", type=int, default=None, help="rollouts per task (preset)")
+    common.add_episode_args(ap)
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0: greedy (preset)")
     ap.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
-    ap.add_argument("--bench", action="store_true", help="tokens/s of the plain and the fast sampler at 8 and 16 "
-                    "conversations (try --max-turns 2 --max-new-tokens 48 on CPU); with --adapter also LoRA unmerged")
+    ap.add_argument("--bench", action="store_true", help="tok/s of the plain and the fast sampler at --rows "
+                    "conversations, against a matmul roofline, and where the fast one's seconds went; with --adapter "
+                    "also LoRA unmerged. Its preset is rl.py's CPU rollouts")
+    ap.add_argument("--rows", default="8,16", help="with --bench: conversations decoded together, comma-separated")
     args = ap.parse_args()
+    common.fill_preset(args, PRESETS, "bench" if args.bench else "tour")
+    if not all(r.isdigit() and int(r) > 0 for r in args.rows.split(",")):
+        common.fail("--rows", f"{args.rows!r} is not a comma-separated list of positive integers")
     if args.domain not in worlds.DOMAINS:
         common.fail("--domain", f"unknown domain {args.domain!r}; use one of {', '.join(worlds.DOMAINS)}")
-    common.check_args(args, at_least=dict(tasks=1, group_size=1, max_turns=1, max_new_tokens=1, user_workers=1),
+    common.check_args(args, at_least=dict(tasks=1, group_size=1, max_turns=1, max_new_tokens=1, max_context=2,
+                                          user_workers=1),
                       finite=dict(temperature=(0, False)))
     common.start_run(args)
     model, tok = load_model(args.model, args.load_in_4bit)
@@ -310,11 +437,11 @@ def main():
     if args.bench:
         return bench(model, tok, args)
     torch.manual_seed(args.seed)
-    tasks = worlds.make_tasks(args.domain, args.split, args.tasks, seed=args.seed)
+    tasks = worlds.make_tasks(args.domain, args.split, args.tasks, args.tiers and args.tiers.split(","), seed=args.seed)
     agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens, int(args.kv_budget * 2**30) or None,
                        args.thinking)
     t0 = time.time()
-    trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, seed=args.seed,
+    trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, args.max_context, seed=args.seed,
                          **common.user_kwargs(args, model, tok))
     for t in trajs:
         print(t.show() + "\n")

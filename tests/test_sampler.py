@@ -4,6 +4,9 @@ between rounds, the shared system prompt once, waves, LoRA merged while sampling
 Greedy: the same conversations token for token through run_episodes, with a LoRA adapter on, over several
 rounds (so the fast path reuses its caches), in one batch and in waves. Sampled: every stored log-prob of
 either sampler equals a teacher-forced recomputation of the policy on the final token ids."""
+import contextlib
+import time
+
 import pytest
 import torch
 
@@ -74,3 +77,28 @@ def test_sampled_logprobs_equal_a_teacher_forced_recomputation(tiny_lora, tok, m
     gap = torch.cat(gaps)
     print(f"max |sampled - teacher-forced| log-prob: {gap.max():.2e} over {gap.numel()} tokens")
     assert gap.numel() > 10 and gap.max() < 1e-4
+
+
+def test_the_bench_profile_accounts_for_the_seconds_and_leaves_nothing_behind(tiny_lora, tok):
+    """sampler.Profile (what `python sampler.py --bench` prints): its parts add up to the run's seconds, the decode
+    parts are not empty, the profiled run samples the same tokens as an unprofiled one, and afterwards the model,
+    nn.Linear and the attention registry are as they were."""
+    from transformers import AttentionInterface
+
+    from kernels.attention import shared_prefix_attention
+    from sampler import Profile
+    linear, runs = torch.nn.Linear.forward, {}
+    for profiled in (False, True):
+        agent = ModelAgent(tiny_lora, tok, temperature=1.0, max_new_tokens=6)
+        torch.manual_seed(0)
+        with Profile(agent) if profiled else contextlib.nullcontext() as prof:
+            t0 = time.perf_counter()
+            runs[profiled] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=2, progress=False, seed=1)
+            total = time.perf_counter() - t0
+    parts = [float(line.split()[-3]) for line in prof.report(total).splitlines()]
+    print(prof.report(total))
+    assert abs(sum(parts) - total) < 0.05 * total + 0.2 and all(p > -0.05 for p in parts)
+    assert prof.s["decode"] > 0 and prof.s["weight matmuls"] > 0 and prof.s["attention"] > 0 and prof.calls > 10
+    assert [t.token_ids for t in runs[True]] == [t.token_ids for t in runs[False]]
+    assert torch.nn.Linear.forward is linear and "forward" not in vars(tiny_lora) and "act" not in vars(agent)
+    assert AttentionInterface()["shared_prefix"] is shared_prefix_attention
