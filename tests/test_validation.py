@@ -52,6 +52,7 @@ CASES = [   # script, bad flags, the flag the line must name
     ("rl_trl.py", ["--vllm", "colocate"], "--vllm"),
     ("sampler.py", ["--domain", "nope"], "--domain"),
     ("sampler.py", ["--tasks", "0"], "--tasks"),
+    ("sampler.py", ["--bench", "--rows", "8,x"], "--rows"),
 ]
 
 
