@@ -350,8 +350,8 @@ def matmul_roofline(model, rows: int, reps: int = 5) -> float:
     """Seconds one decode step of `rows` rows spends in its weight matmuls alone (every nn.Linear of the model
     once, the LM head included, shaped as a decode step calls them, weight-major as the sampler runs them),
     measured now: rows / this is the tok/s a sampler would reach if nothing else took time."""
-    shapes = Counter(tuple(m.weight.shape) for m in model.modules()
-                     if isinstance(m, torch.nn.Linear) and m.weight.is_floating_point())
+    shapes = Counter(tuple(m.weight.shape) for name, m in model.named_modules()   # the base weights (LoRA merged)
+                     if isinstance(m, torch.nn.Linear) and m.weight.is_floating_point() and "lora_" not in name)
     total = 0.0
     with weight_major_linear():
         for (out, inp), count in shapes.items():
@@ -366,13 +366,16 @@ def matmul_roofline(model, rows: int, reps: int = 5) -> float:
 
 def bench(model, tok, args):
     """Sampled tokens/s at each --rows (conversations: tasks x --group-size, advanced together as rl.py does),
-    in one run: PlainAgent (one conversation at a time, the whole conversation fed every turn: the baseline),
+    in one run: PlainAgent (one conversation at a time, the whole conversation fed every turn: the baseline, run
+    at the smallest row count only, since it advances one conversation at a time),
     ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent; each against the weight-matmul
     roofline measured in the same run. Then where ModelAgent's seconds went at the largest row count."""
     g, rows = args.group_size, sorted({int(r) for r in args.rows.split(",")})
     rows = sorted({-(-r // g) * g for r in rows})                         # whole groups
-    tasks = worlds.make_tasks(args.domain, "train", max(rows) // g, args.tiers and args.tiers.split(","),
-                              seed=args.seed)
+    tasks = worlds.make_tasks(args.domain, "train", 1000, args.tiers and args.tiers.split(","), seed=args.seed)
+    if len(tasks) < max(rows) // g:                  # the first 1000 tasks, filtered by tier: as rl.py's pool
+        raise SystemExit(f"--rows {max(rows)}: {args.domain} has {len(tasks)} such tasks, {max(rows) // g} needed")
+    tasks = tasks[:max(rows) // g]
     kw = dict(max_turns=args.max_turns, max_context=args.max_context, progress=False, seed=args.seed)
     agents = {"plain": lambda: PlainAgent(model, tok, args.temperature, args.max_new_tokens),
               "unmerged": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens, merge_lora=False),
@@ -388,7 +391,10 @@ def bench(model, tok, args):
     for n in rows:
         roof = n / matmul_roofline(model, n)
         for name, make in agents.items():
-            agent, prof = make(), None
+            if name == "plain" and n != rows[0]:          # one conversation at a time: its tok/s is the same at any rows
+                rates[n, name] = rates[rows[0], name]
+                continue
+            agent = make()
             torch.manual_seed(args.seed)
             with Profile(agent) if name == "fast" and n == rows[-1] else contextlib.nullcontext() as prof:
                 t0 = time.perf_counter()
