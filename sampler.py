@@ -276,7 +276,7 @@ class Profile:
     decode step the weight matmuls (every nn.Linear, the LM head's too) and the attention; the rest of the decode
     loop is sampling and per-token Python. The attention's split between the shared prefix and the rows' own
     tokens: every 10th decode call is run again over the own part alone (plain SDPA), timed apart, and its share
-    scaled to all calls."""
+    scaled to all calls; those re-runs are the profiler's own cost, reported on a line of their own."""
 
     def __init__(self, agent):
         self.agent, self.s, self.undo, self.calls = agent, Counter(), [], 0
@@ -340,7 +340,8 @@ class Profile:
                 ("decode: attention over the shared prefix", s["attention"] - own),
                 ("decode: attention over each row's own tokens", own),
                 ("decode: the rest of the forward (norms, rotary, residuals, KV writes, framework)",
-                 s["decode"] - s["weight matmuls"] - s["attention"]),
+                 s["decode"] - s["weight matmuls"] - s["attention"] - s["own sampled"]),
+                ("the profiler's own re-runs of the attention (for the split above)", s["own sampled"]),
                 ("sampling and per-token Python in the decode loop", s["sample"] - s["decode"]),
                 ("the agent's other work (memo, caches, waves, LoRA merge)", s["agent"] - s["prefill"] - s["sample"])]
         return "\n".join(f"  {name:<82} {sec:7.1f} s {100 * sec / total:5.1f}%" for name, sec in rows)
@@ -370,8 +371,8 @@ def bench(model, tok, args):
     at the smallest row count only, since it advances one conversation at a time),
     ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent; each against the weight-matmul
     roofline measured in the same run. Then where ModelAgent's seconds went at the largest row count."""
-    g, rows = args.group_size, sorted({int(r) for r in args.rows.split(",")})
-    rows = sorted({-(-r // g) * g for r in rows})                         # whole groups
+    g = args.group_size
+    rows = sorted({-(-int(r) // g) * g for r in args.rows.split(",")})   # whole groups
     tasks = worlds.make_tasks(args.domain, "train", 1000, args.tiers and args.tiers.split(","), seed=args.seed)
     if len(tasks) < max(rows) // g:                  # the first 1000 tasks, filtered by tier: as rl.py's pool
         raise SystemExit(f"--rows {max(rows)}: {args.domain} has {len(tasks)} such tasks, {max(rows) // g} needed")

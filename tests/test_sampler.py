@@ -80,9 +80,10 @@ def test_sampled_logprobs_equal_a_teacher_forced_recomputation(tiny_lora, tok, m
 
 
 def test_the_bench_profile_accounts_for_the_seconds_and_leaves_nothing_behind(tiny_lora, tok):
-    """sampler.Profile (what `python sampler.py --bench` prints): its parts add up to the run's seconds, the decode
-    parts are not empty, the profiled run samples the same tokens as an unprofiled one, and afterwards the model,
-    nn.Linear and the attention registry are as they were."""
+    """sampler.Profile (what `python sampler.py --bench` prints): its timers nest (no part is negative, so nothing
+    is counted twice: a forward is prefill or decode, never both), the decode parts are not empty, the profiled run
+    samples the same tokens as an unprofiled one, and afterwards the model, nn.Linear and the attention registry are
+    as they were."""
     from transformers import AttentionInterface
 
     from kernels.attention import shared_prefix_attention
@@ -98,6 +99,9 @@ def test_the_bench_profile_accounts_for_the_seconds_and_leaves_nothing_behind(ti
     parts = [float(line.split()[-3]) for line in prof.report(total).splitlines()]
     print(prof.report(total))
     assert abs(sum(parts) - total) < 0.05 * total + 0.2 and all(p > -0.05 for p in parts)
+    s = prof.s
+    assert s["prefill"] + s["sample"] <= s["agent"] <= total and s["decode"] <= s["sample"]
+    assert s["weight matmuls"] + s["attention"] + s["own sampled"] <= s["decode"] and s["own sampled"] > 0
     assert prof.s["decode"] > 0 and prof.s["weight matmuls"] > 0 and prof.s["attention"] > 0 and prof.calls > 10
     assert [t.token_ids for t in runs[True]] == [t.token_ids for t in runs[False]]
     assert torch.nn.Linear.forward is linear and "forward" not in vars(tiny_lora) and "act" not in vars(agent)
