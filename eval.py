@@ -30,7 +30,8 @@ Run
                  --max-turns 80 --max-context 16384    # BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
-  failures_<agent>.jsonl, episodes_<agent>.jsonl. `python viewer.py runs/eval` shows the episodes as one page,
+  failures_<agent>.jsonl, episodes_<agent>.jsonl, done/ (each agent and user evaluated: a killed run, rerun,
+  evaluates only what is left). `python viewer.py runs/eval` shows the episodes as one page,
   and the tasks one agent solved and another did not, side by side.
 
 Simplifications vs the paper
@@ -49,6 +50,7 @@ Simplifications vs the paper
 import json
 import math
 import os
+import pickle
 import random
 import re
 import sys
@@ -456,29 +458,55 @@ def plot(results: dict, path: str, pairs: dict | None = None, metric: str = "pas
     common.save_figure(fig, path)
 
 
+def out_file(args, prefix: str, label: str, suffix: str) -> str:
+    """<out>/<prefix><label><suffix>, the label's path-unsafe characters as _."""
+    return os.path.join(args.out, prefix + re.sub(r"[^A-Za-z0-9_.-]", "_", label) + suffix)
+
+
+def done_before(args, label: str) -> dict | None:
+    """A killed eval.py resumes agent by user: each label evaluated is saved with the run's arguments
+    (<out>/done/<label>.pkl, pickled: its pass^k keys are ints) and read back, not re-run, when a rerun has the same
+    arguments."""
+    path = out_file(args, "done/", label, ".pkl")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        saved = pickle.load(f)
+    if saved["args"] != vars(args):
+        return None
+    print(f"== {label}: evaluated before with these arguments, read from {path}")
+    return saved["tau"]
+
+
 def main(argv=None):
     args = parse_args(argv)                 # bad input: one line, exit 2, before anything loads
     common.start_run(args, args.out)
+    os.makedirs(os.path.join(args.out, "done"), exist_ok=True)
     tasks = worlds.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
     user_specs, metrics, results = args.user.split(","), args.paired_metric.split(","), {}
     for spec in args.agents.split(","):
-        built = build_agent(spec.strip(), args)
-        if built is None:
-            continue
-        agent, tok, name = built
-        for user in user_specs:             # every agent meets every user: one label each, "agent @ user" if several
+        name, agent = spec.strip(), None    # every agent meets every user: one label each, "agent @ user" if several
+        for user in user_specs:
             label = name if len(user_specs) == 1 else f"{name} @ {user}"
+            if (tau := done_before(args, label)) is not None:
+                results[label] = {"tau": tau}
+                continue
+            if agent is None:               # loaded only for what is left to evaluate
+                if (built := build_agent(name, args)) is None:
+                    break
+                agent, tok, _ = built
             user_kw = common.user_kwargs(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local:
                                                  if user == "local" else ()), user=user)   # the base model plays it
             print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {user}")
             tau = evaluate(agent, tok, tasks, args.trials, user, args.seed, args.max_turns, args.max_context,
                            recheck=args.recheck, n_boot=args.n_boot, **user_kw)
             results[label] = {"tau": tau}
-            safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
-            with open(os.path.join(args.out, f"failures_{safe}.jsonl"), "w") as f:
+            with open(out_file(args, "failures_", label, ".jsonl"), "w") as f:
                 for rec in tau["failures"]:
                     f.write(json.dumps(rec) + "\n")
-            save_episodes(os.path.join(args.out, f"episodes_{safe}.jsonl"), label, tau.pop("episodes"))
+            save_episodes(out_file(args, "episodes_", label, ".jsonl"), label, tau.pop("episodes"))
+            with open(out_file(args, "done/", label, ".pkl"), "wb") as f:
+                pickle.dump({"args": vars(args), "tau": tau}, f)
             o, b = tau["overall"], tau["behaviour"]["all"]
             print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) + "  " +
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +

@@ -272,17 +272,37 @@ def test_pairs_per_domain_keep_each_domains_tasks_together():
     assert ev.pair_up(results, dict.fromkeys(domain_of, "retail"))[1] == {}     # one domain: no split
 
 
-def test_smoke_run_writes_everything(tmp_path):
-    out = ev.main(["--smoke", "--agents", "base,sft", "--sft-adapter", str(tmp_path / "none"), "--domains", "airline",
-                   "--out", str(tmp_path)])
-    assert list(out) == ["base"]                                 # the missing SFT adapter is skipped
+def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_path, monkeypatch):
+    """A smoke run writes its files and skips a missing adapter. Rerun with the same arguments, eval.py reads what
+    it evaluated before and runs only what is left (here the one label whose record a kill lost); other arguments
+    start over."""
+    argv = ["--smoke", "--agents", "base,sft", "--sft-adapter", str(tmp_path / "none"), "--user", "scripted,none",
+            "--domains", "airline", "--out", str(tmp_path)]
+    first = ev.main(argv)
+    assert list(first) == ["base @ scripted", "base @ none"]          # the missing SFT adapter is skipped
     saved = json.loads((tmp_path / "results.json").read_text())
-    o = saved["agents"]["base"]["tau"]["overall"]
+    o = saved["agents"]["base @ scripted"]["tau"]["overall"]
     assert o["n_tasks"] == 1 and o["trials"] == 2 and 0.0 <= o["pass^k"]["1"] <= 1.0
-    for name in ("args.json", "results.md", "eval.png", "failures_base.jsonl", "episodes_base.jsonl"):
+    for name in ("args.json", "results.md", "eval.png", "failures_base___scripted.jsonl", "episodes_base___none.jsonl"):
         assert (tmp_path / name).exists(), name
-    fails = [json.loads(l) for l in (tmp_path / "failures_base.jsonl").read_text().splitlines()]
-    assert len(fails) == saved["agents"]["base"]["tau"]["n_failed"] and all("diff" in f for f in fails)
+    fails = [json.loads(l) for l in (tmp_path / "failures_base___scripted.jsonl").read_text().splitlines()]
+    assert len(fails) == saved["agents"]["base @ scripted"]["tau"]["n_failed"] and all("diff" in f for f in fails)
+
+    evaluate, ran = ev.evaluate, []
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **kw: ran.append(a[4]) or evaluate(*a, **kw))
+    (tmp_path / "done" / "base___none.pkl").unlink()
+    again = ev.main(argv)
+    assert ran == ["none"] and list(again) == list(first)
+    same = lambda r: json.dumps({k: {**v["tau"], "seconds": 0} for k, v in r.items()}, default=str, sort_keys=True)  # noqa: E731
+    assert same(again) == same(first)
+
+    def stop(*a, **kw):
+        ran.append(a[4])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ev, "evaluate", stop)
+    with pytest.raises(KeyboardInterrupt):
+        ev.main(argv[:-2] + ["--seed", "1", "--out", str(tmp_path)])
+    assert ran == ["none", "scripted"]
 
 
 def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
