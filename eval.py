@@ -31,8 +31,8 @@ Run
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
   failures_<agent>.jsonl, episodes_<agent>.jsonl, done/ (each agent and user evaluated: a killed run, rerun,
-  evaluates only what is left). `python viewer.py runs/eval` shows the episodes as one page,
-  and the tasks one agent solved and another did not, side by side.
+  evaluates only what is left, and a rerun with more --agents or --user only what is new). `python viewer.py
+  runs/eval` shows the episodes as one page, and the tasks one agent solved and another did not, side by side.
 
 Simplifications vs the paper
   * our procedural retail/airline domains by default, scripted user; τ²-bench itself with
@@ -463,19 +463,26 @@ def out_file(args, prefix: str, label: str, suffix: str) -> str:
     return os.path.join(args.out, prefix + re.sub(r"[^A-Za-z0-9_.-]", "_", label) + suffix)
 
 
-def done_before(args, label: str) -> dict | None:
-    """A killed eval.py resumes agent by user: each label evaluated is saved with the run's arguments
-    (<out>/done/<label>.pkl, pickled: its pass^k keys are ints) and read back, not re-run, when a rerun has the same
-    arguments."""
-    path = out_file(args, "done/", label, ".pkl")
+RESUME_FREE = ("agents", "user", "paired_metric")   # flags that leave each agent-and-user's evaluation as it is
+
+
+def done_before(args, name: str, user: str) -> dict | None:
+    """A killed eval.py resumes agent by user: each agent's evaluation with each user is saved with the run's other
+    arguments (<out>/done/<agent @ user>.pkl, pickled: its pass^k keys are ints) and read back, not re-run, by a
+    rerun whose arguments are the same but for RESUME_FREE (so a run may also grow its --agents or --user)."""
+    path = out_file(args, "done/", f"{name} @ {user}", ".pkl")
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
         saved = pickle.load(f)
-    if saved["args"] != vars(args):
+    if saved["args"] != resume_key(args):
         return None
-    print(f"== {label}: evaluated before with these arguments, read from {path}")
+    print(f"== {name} with user {user}: evaluated before with these arguments, read from {path}")
     return saved["tau"]
+
+
+def resume_key(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in RESUME_FREE}
 
 
 def main(argv=None):
@@ -488,7 +495,7 @@ def main(argv=None):
         name, agent = spec.strip(), None    # every agent meets every user: one label each, "agent @ user" if several
         for user in user_specs:
             label = name if len(user_specs) == 1 else f"{name} @ {user}"
-            if (tau := done_before(args, label)) is not None:
+            if (tau := done_before(args, name, user)) is not None:
                 results[label] = {"tau": tau}
                 continue
             if agent is None:               # loaded only for what is left to evaluate
@@ -505,8 +512,8 @@ def main(argv=None):
                 for rec in tau["failures"]:
                     f.write(json.dumps(rec) + "\n")
             save_episodes(out_file(args, "episodes_", label, ".jsonl"), label, tau.pop("episodes"))
-            with open(out_file(args, "done/", label, ".pkl"), "wb") as f:
-                pickle.dump({"args": vars(args), "tau": tau}, f)
+            with open(out_file(args, "done/", f"{name} @ {user}", ".pkl"), "wb") as f:
+                pickle.dump({"args": resume_key(args), "tau": tau}, f)
             o, b = tau["overall"], tau["behaviour"]["all"]
             print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) + "  " +
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +

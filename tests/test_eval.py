@@ -274,8 +274,8 @@ def test_pairs_per_domain_keep_each_domains_tasks_together():
 
 def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_path, monkeypatch):
     """A smoke run writes its files and skips a missing adapter. Rerun with the same arguments, eval.py reads what
-    it evaluated before and runs only what is left (here the one label whose record a kill lost); other arguments
-    start over."""
+    it evaluated before and runs only what is left (here the one label whose record a kill lost), as does a rerun
+    with fewer or more users; other arguments start over."""
     argv = ["--smoke", "--agents", "base,sft", "--sft-adapter", str(tmp_path / "none"), "--user", "scripted,none",
             "--domains", "airline", "--out", str(tmp_path)]
     first = ev.main(argv)
@@ -295,6 +295,8 @@ def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_
     assert ran == ["none"] and list(again) == list(first)
     same = lambda r: json.dumps({k: {**v["tau"], "seconds": 0} for k, v in r.items()}, default=str, sort_keys=True)  # noqa: E731
     assert same(again) == same(first)
+    alone = ev.main(argv[:5] + ["--user", "none"] + argv[7:])       # one user of those: read back, as label "base"
+    assert ran == ["none"] and same(alone) == same({"base": first["base @ none"]})
 
     def stop(*a, **kw):
         ran.append(a[4])
