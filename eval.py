@@ -470,7 +470,7 @@ def done_before(args, name: str, user: str) -> dict | None:
     """A killed eval.py resumes agent by user: each agent's evaluation with each user is saved with the run's other
     arguments (<out>/done/<agent @ user>.pkl, pickled: its pass^k keys are ints) and read back, not re-run, by a
     rerun whose arguments are the same but for RESUME_FREE (so a run may also grow its --agents or --user)."""
-    path = out_file(args, "done/", f"{name} @ {user}", ".pkl")
+    path = done_file(args, name, user)
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
@@ -479,6 +479,10 @@ def done_before(args, name: str, user: str) -> dict | None:
         return None
     print(f"== {name} with user {user}: evaluated before with these arguments, read from {path}")
     return saved["tau"]
+
+
+def done_file(args, name: str, user: str) -> str:
+    return out_file(args, "done/", f"{name} @ {user}", ".pkl")
 
 
 def resume_key(args) -> dict:
@@ -512,7 +516,7 @@ def main(argv=None):
                 for rec in tau["failures"]:
                     f.write(json.dumps(rec) + "\n")
             save_episodes(out_file(args, "episodes_", label, ".jsonl"), label, tau.pop("episodes"))
-            with open(out_file(args, "done/", f"{name} @ {user}", ".pkl"), "wb") as f:
+            with open(done_file(args, name, user), "wb") as f:
                 pickle.dump({"args": resume_key(args), "tau": tau}, f)
             o, b = tau["overall"], tau["behaviour"]["all"]
             print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) + "  " +

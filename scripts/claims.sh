@@ -7,8 +7,8 @@
 #   4. the 2 x 2, the unseen-user row, the per-domain gains and the pre-registered bar, printed from results.json
 # Each step is skipped when its output exists; after a kill, sft.py and rl.py resume from their checkpoints and
 # eval.py from each agent-and-user evaluation it finished.
-# Alone on 2 CPU cores: about 4 hours (2 x ~20 min SFT, 2 x ~30-36 min RL, ~12 min for each of the 8 agent and
-# scripted-user pairs on 60 tasks, less for the 4 with no user).
+# Alone on 2 CPU cores: about 4 hours (2 x ~20 min SFT, 2 x ~30-36 min RL, ~12 min for each of the 12 agent and
+# user evaluations on 60 tasks, as measured with the scripted user).
 # Run from the repository root:   bash scripts/claims.sh     (PYTHON=.venv/bin/python OUT=runs/claims by default)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
