@@ -4,11 +4,12 @@
 #   2. one GRPO step of the CPU preset from each, on retail and airline, each with the user it was made with
 #   3. all four agents on 60 held-out tasks of seed 11, each evaluated with the scripted user, with none, and with
 #      the persona no training uses (scripted:curious), paired on the correct end state, pass^1 and behaviour
-#   4. the 2 x 2, the unseen-user row, the per-domain gains and the pre-registered bar, printed from results.json
+#   4. the 2 x 2, the unseen-user row, the per-domain gains and the pre-registered bar, printed from results.json,
+#      and one picture of both metrics, <out>/claims.png
 # Each step is skipped when its output exists; after a kill, sft.py and rl.py resume from their checkpoints and
 # eval.py from each agent-and-user evaluation it finished.
-# Alone on 2 CPU cores: about 4 hours (2 x ~20 min SFT, 2 x ~30-36 min RL, ~12 min for each of the 12 agent and
-# user evaluations on 60 tasks, as measured with the scripted user).
+# Alone on 2 CPU cores: about 4 hours (2 x ~20 min SFT, 2 x ~30-36 min RL; an agent on 60 tasks: ~12 min with the
+# scripted user, 10-16 with none, ~6 with the persona, as measured).
 # Run from the repository root:   bash scripts/claims.sh     (PYTHON=.venv/bin/python OUT=runs/claims by default)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
@@ -47,8 +48,10 @@ for m in ("correct_state", "pass1"):
         print(f"| {'with' if arm == 'user' else 'without'} the user | " + " | ".join(cells) + " |")
     for u in ("scripted", "none"):
         print(f"RL with the user - RL without, evaluated with {u}: {show(flip(pair(m, 'rl_none', 'rl_user', u)))}")
-    print(f"unseen user (scripted:curious), the user arm: {num(mean('sft_user', 'scripted:curious', m))} -> "
-          f"{num(mean('rl_user', 'scripted:curious', m))}, RL - SFT {show(pair(m, 'rl_user', 'sft_user', 'scripted:curious'))}")
+    for arm in ("user", "none"):
+        print(f"unseen user (scripted:curious), the {arm} arm: {num(mean('sft_' + arm, 'scripted:curious', m))} -> "
+              f"{num(mean('rl_' + arm, 'scripted:curious', m))}, RL - SFT "
+              f"{show(pair(m, 'rl_' + arm, 'sft_' + arm, 'scripted:curious'))}")
     for d in ("retail", "airline"):
         print(f"{d}, the user arm with the scripted user: RL - SFT {show(pair(m, 'rl_user', 'sft_user', 'scripted', d))}")
 state, pass1 = pair("correct_state", "rl_user", "sft_user", "scripted"), pair("pass1", "rl_user", "sft_user", "scripted")
@@ -57,4 +60,30 @@ minutes = sum(m.get("s_per_step", m.get("eval_s", 0)) for m in metrics) / 60   #
 met = state["diff"] >= 0.10 and state["ci"][0] > 0 and pass1["diff"] >= 0.15 and minutes <= 30
 print(f"\nthe bar (the user arm, evaluated with the scripted user, both domains): correct end state {show(state)} "
       f"(>= +0.10, CI above 0), pass^1 {show(pass1)} (>= +0.15), RL {minutes:.1f} min (<= 30): {'MET' if met else 'MISSED'}")
+
+# the picture: both metrics, each agent under each user, every bar labelled (a zero too)
+import matplotlib                                                                        # noqa: E402
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt                                                          # noqa: E402
+users = [("scripted", "evaluated with\nthe scripted user"), ("none", "evaluated with\nno user"),
+         ("scripted:curious", "evaluated with an\nunseen user (curious)")]
+bars = [("sft_user", "SFT, made with the user", "#9ecae1"), ("rl_user", "+ RL with the user", "#2171b5"),
+        ("sft_none", "SFT, made without", "#fdbe85"), ("rl_none", "+ RL without", "#d94801")]
+fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+for ax, (m, title) in zip(axes, [("pass1", "pass^1 (an episode cut at the turn cap scores 0)"),
+                                 ("correct_state", "correct end state (however the episode ended)")]):
+    for j, (x, label, color) in enumerate(bars):
+        xs = [i + (j - 1.5) * 0.2 for i in range(len(users))]
+        ys = [mean(x, u, m) for u, _ in users]
+        ax.bar(xs, ys, 0.19, color=color, label=label)
+        for xi, yi in zip(xs, ys):
+            ax.text(xi, yi + 0.015, f"{yi:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(users)), [t for _, t in users])
+    ax.set_title(f"{title}\n{n} held-out tasks (seed 11), retail + airline", fontsize=10)
+    ax.set_ylim(0, 1.08)
+axes[0].set_ylabel("share of tasks")
+fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, frameon=False)
+fig.tight_layout(rect=(0, 0.07, 1, 1))
+fig.savefig(os.path.join(out, "claims.png"), dpi=110)
+print(f"picture: {os.path.join(out, 'claims.png')}")
 EOF
