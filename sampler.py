@@ -30,7 +30,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import common
 import worlds
 from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
-                               prefill_together, shared_prefix_attention, token_slice, weight_major_linear)
+                               prefill_repeating_kv, prefill_together, shared_prefix_attention, token_slice,
+                               weight_major_linear)
 from rollout import DEFAULT_MODEL, ChatFormat, load_adapter, load_model, run_episodes
 
 # The flags left unset: the tour prints a few retail episodes; the bench times rl.py's CPU rollouts (airline's easy
@@ -369,8 +370,10 @@ def bench(model, tok, args):
     """Sampled tokens/s at each --rows (conversations: tasks x --group-size, advanced together as rl.py does),
     in one run: PlainAgent (one conversation at a time, the whole conversation fed every turn: the baseline, run
     at the smallest row count only, since it advances one conversation at a time),
-    ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent; each against the weight-matmul
-    roofline measured in the same run. Then where ModelAgent's seconds went at the largest row count."""
+    ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent with its prefill copying each kv
+    head per query head (kernels.attention.prefill_repeating_kv: the fast sampler as it was before that changed;
+    the same tokens), ModelAgent; each against the weight-matmul roofline measured in the same run. Then where
+    ModelAgent's seconds went at the largest row count."""
     g = args.group_size
     rows = sorted({-(-int(r) // g) * g for r in args.rows.split(",")})   # whole groups
     tasks = worlds.make_tasks(args.domain, "train", 1000, args.tiers and args.tiers.split(","), seed=args.seed)
@@ -380,6 +383,7 @@ def bench(model, tok, args):
     kw = dict(max_turns=args.max_turns, max_context=args.max_context, progress=False, seed=args.seed)
     agents = {"plain": lambda: PlainAgent(model, tok, args.temperature, args.max_new_tokens),
               "unmerged": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens, merge_lora=False),
+              "kv-copied": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens),
               "fast": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens)}
     if not args.adapter:
         del agents["unmerged"]
@@ -388,7 +392,7 @@ def bench(model, tok, args):
           f"<= {args.max_new_tokens} new tokens, T {args.temperature}, {torch.get_num_threads()} threads, "
           f"{model.device}\nroof: the tok/s if a decode step cost only its weight matmuls, measured in this run\n"
           f"{'rows':>5} {'agent':>9} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'vs plain':>8} {'roof':>6} {'of roof':>7}")
-    rates, profile = {}, None
+    rates, profile, tokens = {}, None, {}
     for n in rows:
         roof = n / matmul_roofline(model, n)
         for name, make in agents.items():
@@ -397,10 +401,12 @@ def bench(model, tok, args):
                 continue
             agent = make()
             torch.manual_seed(args.seed)
-            with Profile(agent) if name == "fast" and n == rows[-1] else contextlib.nullcontext() as prof:
+            with (prefill_repeating_kv() if name == "kv-copied" else contextlib.nullcontext(),
+                  Profile(agent) if name == "fast" and n == rows[-1] else contextlib.nullcontext() as prof):
                 t0 = time.perf_counter()
                 trajs = run_episodes(agent, tok, tasks[:n // g], g, **kw)
                 dt = time.perf_counter() - t0
+            tokens[name] = [t.token_ids for t in trajs]
             toks = sum(sum(t.loss_mask) for t in trajs)
             rates[n, name] = toks / dt
             if prof:
@@ -409,6 +415,8 @@ def bench(model, tok, args):
                   f"{roof:>6.0f} {100 * toks / dt / roof:>6.1f}%", flush=True)
     lo, hi = rows[0], rows[-1]
     print(f"scaling: ModelAgent at {hi} rows runs at {rates[hi, 'fast'] / rates[lo, 'fast']:.2f}x its tok/s at {lo}")
+    print(f"kv heads read in place vs copied, at {hi} rows: {rates[hi, 'fast'] / rates[hi, 'kv-copied']:.2f}x the "
+          f"tok/s, the same tokens: {tokens['fast'] == tokens['kv-copied']}")
     print(f"profile (ModelAgent, {hi} rows): where the rollouts' {dt:.0f} seconds went\n{profile}")
 
 

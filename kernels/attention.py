@@ -17,7 +17,9 @@ weight_major_linear
                a decode step's linear layers in the weight-major layout, much faster on CPU for few rows.
 lora_merged    the LoRA delta folded into the weights while sampling (CPU), the weights restored bit for bit.
 prefill_together
-               the new turns of many rows that continue one shared prefix, prefilled in one forward.
+               the new turns of many rows that continue one shared prefix, prefilled in one forward; on CPU
+               each kv head is read by its group of query heads, not copied per head
+               (prefill_repeating_kv: the copy, the bench's baseline).
 kv_bytes_per_token, plan_waves
                what one token of cache costs, and how many rows to decode together so that their
                cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB).
@@ -206,6 +208,21 @@ def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tu
     return waves, False
 
 
+_repeat_kv = False             # set by prefill_repeating_kv()
+
+
+@contextlib.contextmanager
+def prefill_repeating_kv():
+    """Inside: the prefill branch below copies each kv head once per query head before SDPA (what transformers'
+    SDPA wrapper does with a mask, and what it did on CPU before), the sampler bench's baseline; the same numbers."""
+    global _repeat_kv
+    _repeat_kv = True
+    try:
+        yield
+    finally:
+        _repeat_kv = False
+
+
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kw):
     """query (B, heads, q, hd): q new tokens a row (1 when decoding, a turn when prefilling); key/value
     (B, kv_heads, n, hd): each row's own part, ending with the new tokens; attention_mask (B, 1, q, n) bool
@@ -239,8 +256,11 @@ def _attend_with_prefix(module, query, key, value, attention_mask, pk, pv, scali
         if attention_mask is None:                   # new token i sees own keys up to its own place, n - q + i
             attention_mask = torch.ones(Q, n, dtype=torch.bool, device=query.device).tril(n - Q)[None, None]
         mask = torch.cat([attention_mask.new_ones(B, 1, Q, P), attention_mask.expand(B, 1, Q, n)], -1)
-        return sdpa_attention_forward(module, query, torch.cat([pk.expand(B, -1, -1, -1), key], 2),
-                                      torch.cat([pv.expand(B, -1, -1, -1), value], 2), mask, scaling=scaling, **kw)[0]
+        k, v = torch.cat([pk.expand(B, -1, -1, -1), key], 2), torch.cat([pv.expand(B, -1, -1, -1), value], 2)
+        if query.device.type == "cpu" and not _repeat_kv:   # each kv head read by its group of query heads:
+            return F.scaled_dot_product_attention(         # the same numbers as repeating them, without the copy
+                query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True).transpose(1, 2)
+        return sdpa_attention_forward(module, query, k, v, mask, scaling=scaling, **kw)[0]   # CUDA: no masked GQA
     # decoding, one token a row: the prefix's keys/values are read once for all rows, not copied per row
     q = query.reshape(B, kvh, H // kvh, D)           # query heads grouped by the kv head they share
     qk = q.permute(1, 0, 2, 3).reshape(kvh, -1, D)   # (kv_heads, B * group, hd)

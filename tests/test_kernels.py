@@ -395,3 +395,29 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-3000:]
     sizes = [int(line.split(": ")[1].split()[0]) for line in r.stdout.splitlines() if "sm_90 cubin" in line]
     assert len(sizes) == 2 and min(sizes) > 0
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads", [(3, 4, 2), (2, 6, 1)])
+def test_prefill_attention_over_a_shared_prefix_equals_attention_over_the_whole_row(rows, heads, kv_heads):
+    """kernels.attention's prefill branch (several new tokens a row) reads the prefix's keys/values once and lets
+    SDPA share each kv head among its query heads; it must equal plain attention over [prefix ; row] with the kv
+    heads repeated (transformers' SDPA path), left padding included."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kernels.attention import shared_prefix_attention
+    torch.manual_seed(0)
+    P, n, Q, D = 7, 9, 4, 8
+    module = SimpleNamespace(layer_idx=0, is_causal=True, num_key_value_groups=heads // kv_heads, training=False)
+    q = torch.randn(rows, heads, Q, D)
+    pk, pv = torch.randn(1, kv_heads, P, D), torch.randn(1, kv_heads, P, D)
+    k, v = torch.randn(rows, kv_heads, n, D), torch.randn(rows, kv_heads, n, D)
+    own = torch.ones(rows, 1, Q, n, dtype=torch.bool).tril(n - Q)            # new token i sees own keys <= n - Q + i
+    own[0, :, :, :3] = False                                                   # row 0: 3 tokens of left padding
+    got = shared_prefix_attention(module, q, k, v, own, scaling=D ** -0.5, shared_prefix=[(None, [(pk, pv)])])[0]
+    whole = torch.cat([torch.ones(rows, 1, Q, P, dtype=torch.bool), own], -1)
+    want = sdpa_attention_forward(module, q, torch.cat([pk.expand(rows, -1, -1, -1), k], 2),
+                                  torch.cat([pv.expand(rows, -1, -1, -1), v], 2), whole, scaling=D ** -0.5)[0]
+    assert got.shape == (rows, Q, heads, D)
+    assert_close("prefill over [prefix ; row]", got, want, rtol=1e-6, atol=1e-6)
