@@ -5,7 +5,8 @@ time, each sampled from softmax(logits / T) (T = 0: greedy) with its log-prob ke
 PlainAgent runs it for each waiting conversation, one after another. ModelAgent is the same sampler made
 fast for many conversations at once, and tested equal to sample_turn (tests/test_sampler.py): greedy turns
 token for token, and sampled log-probs equal to a teacher-forced recomputation. What it adds:
-  - every conversation's keys/values are kept between rounds, so a round prefills only the new turn;
+  - every conversation's keys/values are kept between rounds, so a round prefills only the new turn, and on
+    CPU all rows' new turns go through one forward packed end to end, with no padding;
   - the prefix all conversations share (the system prompt) is prefilled once, stored once and attended
     once for all rows (kernels/attention.py);
   - rows decode together in waves that fit a KV budget, so 256 rollouts fit one GPU;
@@ -30,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import common
 import worlds
 from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
-                               prefill_repeating_kv, prefill_together, shared_prefix_attention, token_slice,
+                               prefill_new_turns, prefill_padded, shared_prefix_attention, token_slice,
                                weight_major_linear)
 from rollout import DEFAULT_MODEL, ChatFormat, load_adapter, load_model, run_episodes
 
@@ -194,8 +195,8 @@ class ModelAgent:
         shared prefix of its group gid[i], P[i] tokens, whose keys/values are kept once per group
         (1, kv_heads, P, hd) per layer; its own part (n_i - P[i] tokens) sits left-padded in a
         (B, L + room) buffer. -> (cache, {group: per-layer prefix (k, v), or None}, last-token logits (B, V)).
-        The rows of a group that continue its cached prefix are prefilled together, a batch of new turns
-        per forward (kernels.attention.prefill_together); others (a row alone) one at a time."""
+        The rows of a group that continue its cached prefix are prefilled together, their new turns in one
+        forward (kernels.attention.prefill_new_turns); others (a row alone) one at a time."""
         B, L, room = len(rows), max(len(r) - p for r, p in zip(rows, P)), self.max_new_tokens
         cached = [self._cached(r) for r in rows]
         cache, prefixes, logits = None, {}, [None] * B
@@ -210,8 +211,8 @@ class ModelAgent:
             if p and all(cached[i][0] >= p for i in idx):     # the usual case: a cached shared prefix
                 prefixes[g] = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, p)))
                                for pieces in cached[idx[0]][1]]
-                own, last = prefill_together(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
-                                             prefixes[g], pad=self.fmt.end_of_turn_id)
+                own, last = prefill_new_turns(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
+                                              prefixes[g], pad=self.fmt.end_of_turn_id)
                 for i, layers, lg in zip(idx, own, last):
                     put(i, layers)
                     logits[i] = lg
@@ -370,9 +371,9 @@ def bench(model, tok, args):
     """Sampled tokens/s at each --rows (conversations: tasks x --group-size, advanced together as rl.py does),
     in one run: PlainAgent (one conversation at a time, the whole conversation fed every turn: the baseline, run
     at the smallest row count only, since it advances one conversation at a time),
-    ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent with its prefill copying each kv
-    head per query head (kernels.attention.prefill_repeating_kv: the fast sampler as it was before that changed;
-    the same tokens), ModelAgent; each against the weight-matmul roofline measured in the same run. Then where
+    ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent with each round's new turns padded
+    into batches (kernels.attention.prefill_padded: the fast sampler as it was before its prefill was packed; the
+    same tokens), ModelAgent; each against the weight-matmul roofline measured in the same run. Then where
     ModelAgent's seconds went at the largest row count."""
     g = args.group_size
     rows = sorted({-(-int(r) // g) * g for r in args.rows.split(",")})   # whole groups
@@ -383,7 +384,7 @@ def bench(model, tok, args):
     kw = dict(max_turns=args.max_turns, max_context=args.max_context, progress=False, seed=args.seed)
     agents = {"plain": lambda: PlainAgent(model, tok, args.temperature, args.max_new_tokens),
               "unmerged": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens, merge_lora=False),
-              "kv-copied": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens),
+              "padded": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens),
               "fast": lambda: ModelAgent(model, tok, args.temperature, args.max_new_tokens)}
     if not args.adapter:
         del agents["unmerged"]
@@ -401,7 +402,7 @@ def bench(model, tok, args):
                 continue
             agent = make()
             torch.manual_seed(args.seed)
-            with (prefill_repeating_kv() if name == "kv-copied" else contextlib.nullcontext(),
+            with (prefill_padded() if name == "padded" else contextlib.nullcontext(),
                   Profile(agent) if name == "fast" and n == rows[-1] else contextlib.nullcontext() as prof):
                 t0 = time.perf_counter()
                 trajs = run_episodes(agent, tok, tasks[:n // g], g, **kw)
@@ -415,8 +416,8 @@ def bench(model, tok, args):
                   f"{roof:>6.0f} {100 * toks / dt / roof:>6.1f}%", flush=True)
     lo, hi = rows[0], rows[-1]
     print(f"scaling: ModelAgent at {hi} rows runs at {rates[hi, 'fast'] / rates[lo, 'fast']:.2f}x its tok/s at {lo}")
-    print(f"kv heads read in place vs copied, at {hi} rows: {rates[hi, 'fast'] / rates[hi, 'kv-copied']:.2f}x the "
-          f"tok/s, the same tokens: {tokens['fast'] == tokens['kv-copied']}")
+    print(f"packed vs padded prefill, at {hi} rows: {rates[hi, 'fast'] / rates[hi, 'padded']:.2f}x the tok/s, the "
+          f"same tokens: {tokens['fast'] == tokens['padded']}")
     print(f"profile (ModelAgent, {hi} rows): where the rollouts' {dt:.0f} seconds went\n{profile}")
 
 

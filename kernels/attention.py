@@ -16,16 +16,19 @@ shared_prefix_attention
 weight_major_linear
                a decode step's linear layers in the weight-major layout, much faster on CPU for few rows.
 lora_merged    the LoRA delta folded into the weights while sampling (CPU), the weights restored bit for bit.
-prefill_together
-               the new turns of many rows that continue one shared prefix, prefilled in one forward; on CPU
-               each kv head is read by its group of query heads, not copied per head
-               (prefill_repeating_kv: the copy, the bench's baseline).
+prefill_new_turns
+               a round's new turns of many rows that continue one shared prefix, prefilled together: on CPU
+               packed, all rows' new tokens in one sequence with no padding, their attention reading the
+               prefix once for every row and merging it with each row's own part by log-sum-exp
+               (prefill_packed); on GPU padded into batches (prefill_together, also the CPU bench's baseline
+               under prefill_padded).
 kv_bytes_per_token, plan_waves
                what one token of cache costs, and how many rows to decode together so that their
                cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB).
 Tested in tests/test_rollout.py (sampled log-probs == a teacher-forced recomputation; waves == one batch).
 """
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +142,29 @@ def attention_implementation(model, name: str):
 PREFILL_TOKENS = 4096           # new tokens per batched prefill forward: bounds its attention's size
 
 
+def prefill_new_turns(model, rows, cached, P: int, prefix, pad: int):
+    """A round's new turns of rows that continue one shared prefix: packed on CPU (prefill_packed), padded into
+    batches on GPU (prefill_together: there the batched SDPA kernels take the padding in their stride)."""
+    if model.device.type == "cpu" and not _padded:
+        return prefill_packed(model, rows, cached, P, prefix)
+    return prefill_together(model, rows, cached, P, prefix, pad)
+
+
+_padded = False                 # set by prefill_padded()
+
+
+@contextlib.contextmanager
+def prefill_padded():
+    """Inside: prefill_new_turns pads on CPU too (prefill_together), the sampler's prefill before packing: the
+    sampler bench's baseline, the same tokens."""
+    global _padded
+    _padded = True
+    try:
+        yield
+    finally:
+        _padded = False
+
+
 @torch.no_grad()
 def prefill_together(model, rows, cached, P: int, prefix, pad: int):
     """Feed the new tokens of rows that all continue one shared prefix (prefix: per layer (k, v), each
@@ -179,6 +205,78 @@ def prefill_together(model, rows, cached, P: int, prefix, pad: int):
     return own, logits
 
 
+@torch.no_grad()
+def prefill_packed(model, rows, cached, P: int, prefix):
+    """prefill_together without padding (CPU): the new tokens of all rows one after another in one sequence, as
+    many rows per forward as fit PREFILL_TOKENS, so the weights multiply only real tokens; the attention
+    (packed_prefill_attention) reads the shared prefix once for every row's queries and each row's own keys apart.
+    Same arguments and result as prefill_together."""
+    new = [len(r) - c for r, (c, _) in zip(rows, cached)]
+    batches = []
+    for i in range(len(rows)):
+        if batches and sum(new[j] for j in batches[-1]) + new[i] <= PREFILL_TOKENS:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    own, logits, dev = [None] * len(rows), [None] * len(rows), model.device
+    group = model.config.num_attention_heads // prefix[0][0].shape[1]
+    for batch in batches:
+        ends = torch.tensor([new[i] for i in batch]).cumsum(0).tolist()
+        bounds = list(zip([0] + ends[:-1], ends))
+        cached_own = [[token_slice(pieces, P, cached[i][0]) for pieces in cached[i][1]] for i in batch]
+        masks = []
+        for i in batch:                                # new token t sees the row's cached keys and new ones up to t
+            n, m = new[i], cached[i][0] - P + new[i]
+            seen = torch.ones(n, m, dtype=torch.bool).tril(m - n).repeat(group, 1)    # (group * n, m)
+            masks.append(torch.zeros(seen.shape, device=dev).masked_fill_(~seen.to(dev), float("-inf"))[None, None])
+        layout = Packed(bounds, [[([k for k, _ in pieces], [v for _, v in pieces]) for pieces in layers]
+                                 for layers in cached_own], masks, prefix)
+        ids = torch.cat([rows[i][cached[i][0]:] for i in batch])[None].to(dev)
+        pos = torch.cat([torch.arange(cached[i][0], len(rows[i])) for i in batch])[None].to(dev)
+        with attention_implementation(model, "packed_prefill"):
+            out = model(input_ids=ids, position_ids=pos, use_cache=True, packed=layout,
+                        logits_to_keep=torch.tensor(ends, device=dev) - 1)
+        for j, (i, (s, e)) in enumerate(zip(batch, bounds)):
+            own[i] = [pieces + [(layer.keys[:, :, s:e], layer.values[:, :, s:e])]
+                      for pieces, layer in zip(cached_own[j], out.past_key_values.layers)]
+            logits[i] = out.logits[0, j]
+    return own, logits
+
+
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu    # -> (out, log-sum-exp of scores)
+
+
+class Packed(NamedTuple):
+    """Where each row's new tokens sit in a packed prefill, and what they attend besides each other."""
+    bounds: list                # per row (start, end): its new tokens in the packed sequence
+    own: list                   # per row, per layer: ([k pieces], [v pieces]) of its cached own tokens (may be empty)
+    masks: list                 # per row: float mask (1, 1, group * n, m), its n new tokens against its m own keys
+    prefix: list                # per layer (k, v), each (1, kv_heads, P, hd): the prefix every row continues
+
+
+def packed_prefill_attention(module, query, key, value, attention_mask, scaling=None, packed=None, **kw):
+    """query (1, heads, T, hd), key/value (1, kv_heads, T, hd): the new tokens of several rows one after another
+    (packed: Packed). A row's new token attends the shared prefix, the row's cached own tokens and its new tokens
+    up to itself. Two attentions, each returning its log-sum-exp: every row's queries against the prefix in one
+    call, each row's against its own keys apart; then merged, o = o1 + (o2 - o1) * sigmoid(lse2 - lse1), which is
+    softmax attention over [prefix ; own] with its denominator split in two. -> (1, T, heads, hd)."""
+    _, H, T, D = query.shape
+    pk, pv = (x.contiguous() for x in packed.prefix[module.layer_idx])    # the op misreads a strided last dim
+    kvh, scale = pk.shape[1], scaling or D ** -0.5
+    g = H // kvh
+    q = query.reshape(1, kvh, g * T, D)             # query heads grouped by the kv head they share
+    out, lse = _flash_with_lse(q, pk, pv, scale=scale)
+    out, lse, q = out.view(1, kvh, g, T, D), lse.view(1, kvh, g, T), q.view(1, kvh, g, T, D)
+    for (s, e), layers, mask in zip(packed.bounds, packed.own, packed.masks):
+        ks, vs = layers[module.layer_idx]
+        k, v = torch.cat(ks + [key[:, :, s:e]], 2), torch.cat(vs + [value[:, :, s:e]], 2)
+        o2, lse2 = _flash_with_lse(q[:, :, :, s:e].reshape(1, kvh, g * (e - s), D), k, v, attn_mask=mask, scale=scale)
+        o1 = out[:, :, :, s:e]
+        w = torch.sigmoid(lse2.view(1, kvh, g, e - s) - lse[:, :, :, s:e])[..., None]
+        out[:, :, :, s:e] = o1 + (o2.view(1, kvh, g, e - s, D) - o1) * w
+    return out.reshape(1, H, T, D).transpose(1, 2), None
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Keys + values of one token in every layer: layers x kv_heads x head_dim x 2 (K, V) x bytes.
     Qwen3-8B in bf16: 36 x 8 x 128 x 2 x 2 = 147,456 bytes (144 KiB)."""
@@ -206,21 +304,6 @@ def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tu
         else:
             waves.append([i])
     return waves, False
-
-
-_repeat_kv = False             # set by prefill_repeating_kv()
-
-
-@contextlib.contextmanager
-def prefill_repeating_kv():
-    """Inside: the prefill branch below copies each kv head once per query head before SDPA (what transformers'
-    SDPA wrapper does with a mask, and what it did on CPU before), the sampler bench's baseline; the same numbers."""
-    global _repeat_kv
-    _repeat_kv = True
-    try:
-        yield
-    finally:
-        _repeat_kv = False
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, shared_prefix=None, **kw):
@@ -257,10 +340,7 @@ def _attend_with_prefix(module, query, key, value, attention_mask, pk, pv, scali
             attention_mask = torch.ones(Q, n, dtype=torch.bool, device=query.device).tril(n - Q)[None, None]
         mask = torch.cat([attention_mask.new_ones(B, 1, Q, P), attention_mask.expand(B, 1, Q, n)], -1)
         k, v = torch.cat([pk.expand(B, -1, -1, -1), key], 2), torch.cat([pv.expand(B, -1, -1, -1), value], 2)
-        if query.device.type == "cpu" and not _repeat_kv:   # each kv head read by its group of query heads:
-            return F.scaled_dot_product_attention(         # the same numbers as repeating them, without the copy
-                query, k, v, attn_mask=mask, scale=scaling, enable_gqa=True).transpose(1, 2)
-        return sdpa_attention_forward(module, query, k, v, mask, scaling=scaling, **kw)[0]   # CUDA: no masked GQA
+        return sdpa_attention_forward(module, query, k, v, mask, scaling=scaling, **kw)[0]
     # decoding, one token a row: the prefix's keys/values are read once for all rows, not copied per row
     q = query.reshape(B, kvh, H // kvh, D)           # query heads grouped by the kv head they share
     qk = q.permute(1, 0, 2, 3).reshape(kvh, -1, D)   # (kv_heads, B * group, hd)
@@ -276,3 +356,5 @@ def _attend_with_prefix(module, query, key, value, attention_mask, pk, pv, scali
 
 AttentionInterface.register("shared_prefix", shared_prefix_attention)
 AttentionMaskInterface.register("shared_prefix", sdpa_mask)
+AttentionInterface.register("packed_prefill", packed_prefill_attention)
+AttentionMaskInterface.register("packed_prefill", lambda *a, **kw: None)    # the attention knows each row's bounds

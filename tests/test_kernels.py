@@ -397,27 +397,35 @@ def test_kernels_compile_for_sm90():
     assert len(sizes) == 2 and min(sizes) > 0
 
 
-@pytest.mark.parametrize("rows,heads,kv_heads", [(3, 4, 2), (2, 6, 1)])
-def test_prefill_attention_over_a_shared_prefix_equals_attention_over_the_whole_row(rows, heads, kv_heads):
-    """kernels.attention's prefill branch (several new tokens a row) reads the prefix's keys/values once and lets
-    SDPA share each kv head among its query heads; it must equal plain attention over [prefix ; row] with the kv
-    heads repeated (transformers' SDPA path), left padding included."""
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])
+def test_packed_prefill_attention_equals_attention_over_each_whole_row(heads, kv_heads):
+    """kernels.attention's packed prefill: the new tokens of rows of different lengths in one sequence, each row
+    with its own cached tokens (none for one of them), attending the shared prefix once for all rows and merging
+    it with the row's own part by log-sum-exp. Each row must equal plain causal attention over its whole
+    [prefix ; cached ; new] with the kv heads repeated (transformers' SDPA path)."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kernels.attention import shared_prefix_attention
+    from kernels.attention import Packed, packed_prefill_attention
     torch.manual_seed(0)
-    P, n, Q, D = 7, 9, 4, 8
-    module = SimpleNamespace(layer_idx=0, is_causal=True, num_key_value_groups=heads // kv_heads, training=False)
-    q = torch.randn(rows, heads, Q, D)
+    P, D, g = 7, 8, heads // kv_heads
+    module = SimpleNamespace(layer_idx=0, is_causal=True, num_key_value_groups=g, training=False)
     pk, pv = torch.randn(1, kv_heads, P, D), torch.randn(1, kv_heads, P, D)
-    k, v = torch.randn(rows, kv_heads, n, D), torch.randn(rows, kv_heads, n, D)
-    own = torch.ones(rows, 1, Q, n, dtype=torch.bool).tril(n - Q)            # new token i sees own keys <= n - Q + i
-    own[0, :, :, :3] = False                                                   # row 0: 3 tokens of left padding
-    got = shared_prefix_attention(module, q, k, v, own, scaling=D ** -0.5, shared_prefix=[(None, [(pk, pv)])])[0]
-    whole = torch.cat([torch.ones(rows, 1, Q, P, dtype=torch.bool), own], -1)
-    want = sdpa_attention_forward(module, q, torch.cat([pk.expand(rows, -1, -1, -1), k], 2),
-                                  torch.cat([pv.expand(rows, -1, -1, -1), v], 2), whole, scaling=D ** -0.5)[0]
-    assert got.shape == (rows, Q, heads, D)
-    assert_close("prefill over [prefix ; row]", got, want, rtol=1e-6, atol=1e-6)
+    new, cached = [3, 1, 5], [4, 0, 6]                      # per row: new tokens, cached own tokens
+    T = sum(new)
+    q, k, v = torch.randn(1, heads, T, D), torch.randn(1, kv_heads, T, D), torch.randn(1, kv_heads, T, D)
+    own = [(torch.randn(1, kv_heads, c, D), torch.randn(1, kv_heads, c, D)) for c in cached]
+    ends = torch.tensor(new).cumsum(0).tolist()
+    bounds = list(zip([0] + ends[:-1], ends))
+    masks = [torch.zeros(g * n, c + n).masked_fill_(~torch.ones(n, c + n, dtype=torch.bool).tril(c).repeat(g, 1),
+                                                     float("-inf"))[None, None] for n, c in zip(new, cached)]
+    layout = Packed(bounds, [[([ok], [ov])] for ok, ov in own], masks, [(pk, pv)])
+    got = packed_prefill_attention(module, q, k, v, None, scaling=D ** -0.5, packed=layout)[0]
+    assert got.shape == (1, T, heads, D)
+    for (s, e), (ok, ov), c in zip(bounds, own, cached):
+        n = e - s
+        whole = torch.ones(1, 1, n, P + c + n, dtype=torch.bool).tril(P + c)      # new token i sees keys <= P + c + i
+        want = sdpa_attention_forward(module, q[:, :, s:e], torch.cat([pk, ok, k[:, :, s:e]], 2),
+                                      torch.cat([pv, ov, v[:, :, s:e]], 2), whole, scaling=D ** -0.5)[0]
+        assert_close(f"packed row {s}:{e}", got[:, s:e], want, rtol=1e-5, atol=1e-6)
