@@ -413,6 +413,7 @@ def main(argv=None):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
         drawn, kept, lost = sample_groups(agent, tok, pools, step, args, user_kw)
+        agent.forget()                            # its keys/values go stale with the update: not kept beside it
         t_roll, st, adv = time.time() - t0, None, None
         if kept:                                  # 3. advantages within each kept group
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])

@@ -116,6 +116,11 @@ class ModelAgent:
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
         self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
 
+    def forget(self):
+        """Drop the remembered keys/values: rl.py calls it before an update, which would make them stale anyway,
+        so that every rollout's keys/values do not sit in memory beside the update's activations."""
+        self.memo, self.version = [], None
+
     def budget_tokens(self) -> int | None:
         """How many tokens of keys/values the agent may hold at once (None: no limit)."""
         if self.kv_budget is None and self.model.device.type == "cuda":     # once, before any cache exists

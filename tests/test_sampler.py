@@ -60,6 +60,24 @@ def test_fast_sampler_equals_the_plain_one_greedy(tiny_lora, tok, waves):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
+def test_forget_empties_the_memo_and_changes_no_token(tiny_lora, tok):
+    """rl.py makes the sampler forget its remembered keys/values before each update. An agent that forgets after
+    every round (each next round prefilled from the shared prefix again) samples the same turns as one that
+    remembers, greedy, over 3 rounds."""
+    class Forgetful(ModelAgent):
+        def act(self, batch):
+            out = super().act(batch)
+            assert self.memo
+            self.forget()
+            assert self.memo == []
+            return out
+    runs = [run_episodes(cls(tiny_lora, tok, temperature=0.0, max_new_tokens=8), tok, tasks(), group_size=2,
+                         max_turns=3, progress=False, seed=1) for cls in (ModelAgent, Forgetful)]
+    assert sum(t.turns for t in runs[0]) > len(runs[0])
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids and a.messages == b.messages
+
+
 @pytest.mark.parametrize("make", [lambda m, tok: PlainAgent(m, tok, temperature=1.3, max_new_tokens=6,
                                                              generator=torch.Generator().manual_seed(0)),
                                   lambda m, tok: ModelAgent(m, tok, temperature=1.3, max_new_tokens=6)],
