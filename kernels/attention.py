@@ -25,7 +25,8 @@ prefill_new_turns
 kv_bytes_per_token, plan_waves
                what one token of cache costs, and how many rows to decode together so that their
                cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB).
-Tested in tests/test_rollout.py (sampled log-probs == a teacher-forced recomputation; waves == one batch).
+Tested in tests/test_rollout.py and tests/test_sampler.py (sampled log-probs == a teacher-forced recomputation;
+waves == one batch) and tests/test_kernels.py (packed prefill == attention over each whole row).
 """
 import contextlib
 from typing import NamedTuple
@@ -210,7 +211,7 @@ def prefill_packed(model, rows, cached, P: int, prefix):
     """prefill_together without padding (CPU): the new tokens of all rows one after another in one sequence, as
     many rows per forward as fit PREFILL_TOKENS, so the weights multiply only real tokens; the attention
     (packed_prefill_attention) reads the shared prefix once for every row's queries and each row's own keys apart.
-    Same arguments and result as prefill_together."""
+    The same result as prefill_together (nothing is padded, so no pad id)."""
     new = [len(r) - c for r, (c, _) in zip(rows, cached)]
     batches = []
     for i in range(len(rows)):
