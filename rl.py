@@ -26,16 +26,19 @@ Simplifications versus the paper:
   starting adapter on the same base weights.
 - Our procedural domains and a scripted user by default (a 135M model cannot play a user); PRESETS["cpu"] is the
   same algorithm at small sizes, on airline's easy tier.
-- Dynamic sampling (DAPO) is ours: only groups whose rewards differ are trained.
+- Dynamic sampling (DAPO) is ours: only groups whose rewards differ are trained. So is --screen (off by default):
+  a group is finished only after its first rollouts showed a rare reward.
 - One optimizer step per batch of rollouts (--mini-batches 1): the ratio is exactly 1 and the clip inactive.
 - Entropy is logged as the mean -log p of the sampled tokens.
 """
 import contextlib
+import itertools
 import json
 import os
 import random
 import shutil
 import time
+from collections import Counter
 
 import torch
 
@@ -72,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--draw", type=int, default=None, help="tasks per rollout batch (preset)")
     p.add_argument("--max-draws", type=int, default=None, help="dynamic sampling: at most this many rollout batches "
                    "a step to find --tasks groups with reward variance (preset; 1 = plain GRPO)")
+    p.add_argument("--screen", type=int, default=0, help="screening: each drawn task first gets this many rollouts, "
+                   "and the rest of its group only if one of them got a reward other than the batch's most common "
+                   "one (rollouts go to groups likely to differ; 0 = off, every task its whole group)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch of rollouts (> 1: the "
@@ -98,6 +104,8 @@ def parse_args(argv=None):
                                           user_workers=1),
                       finite=dict(lr=(0, True), kl_coef=(0, False), clip=(0, True), temperature=(0, True),
                                   max_grad_norm=(0, True), weight_decay=(0, False), max_sim_failures=(0, False)))
+    if not 0 <= args.screen < args.group_size:
+        common.fail("--screen", f"{args.screen}: 0 (off) or fewer rollouts than --group-size {args.group_size}")
     if args.rollouts and not os.path.isdir(args.rollouts):
         common.fail("--rollouts", f"{args.rollouts} is not a dir; use another run's <out>/rollouts")
     if args.user == "oracle":
@@ -296,13 +304,15 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
     drawn, varied, lost = [], [], 0
     for d in range(args.max_draws):
         tasks = order[d * args.draw:(d + 1) * args.draw]
-        trajs = rollouts(agent, tok, tasks, step, d, args, user_kw)
+        groups = screened(agent, tok, tasks, step, d, args, user_kw) if args.screen else \
+            split(rollouts(agent, tok, tasks, step, d, args, user_kw), [G] * len(tasks))
+        trajs = [t for g in groups for t in g]
         failed = [t for t in trajs if t.failed]
         if len(failed) > args.max_sim_failures * len(trajs):
             raise SystemExit(f"step {step + 1}: {len(failed)} of {len(trajs)} rollouts lost their simulator, more "
                              f"than --max-sim-failures {args.max_sim_failures}: {failed[0].stats.get('error')}")
         lost += len(failed)
-        groups = [[t for t in trajs[i * G:(i + 1) * G] if not t.failed] for i in range(len(trajs) // G)]
+        groups = [[t for t in g if not t.failed] for g in groups]
         drawn += groups
         varied += [g for g in groups if has_signal(g)]
         if len(varied) >= args.tasks:
@@ -310,19 +320,45 @@ def sample_groups(agent, tok, pools, step, args, user_kw):
     return drawn, varied[:args.tasks], lost
 
 
-def rollouts(agent, tok, tasks, step, d, args, user_kw):
-    """One batch of G rollouts per task, saved as <out>/rollouts/step-S-draw-D.jsonl (whole Trajectories: token
-    ids, masks, sampler log-probs, messages, rewards, diffs; viewer.py shows them); with --rollouts DIR, read
-    from another run's files instead of sampled, so update rules (--loss-agg, --lr, --kl-coef, ...) can be
-    compared on identical rollouts."""
-    name = f"step-{step + 1:06d}-draw-{d}.jsonl"
+def split(trajs, sizes):
+    """Consecutive rollouts cut into groups of the given sizes."""
+    ends = list(itertools.accumulate(sizes))
+    return [trajs[e - n:e] for n, e in zip(sizes, ends)]
+
+
+def screened(agent, tok, tasks, step, d, args, user_kw):
+    """--screen K: trials 0..K-1 of every task first; then trials K..G-1 only of the tasks where one of the first
+    K got a reward other than the batch's most common one. With a weak policy most rewards are 0, so a group is
+    finished only after a success, and the rollouts of tasks the policy never solves stop at K. A task that is not
+    finished stays a group of K that teaches nothing (for K >= 2 its rewards can only be equal). The selection
+    looks at a finished group's first rollouts, as dynamic sampling looks at whole groups: the kept groups lean
+    towards the outcome that is rare in the batch. -> groups, one per task."""
+    K, G = args.screen, args.group_size
+    first = split(rollouts(agent, tok, tasks, step, d, args, user_kw, trials=(0, K)), [K] * len(tasks))
+    seen = Counter(t.reward for g in first for t in g if not t.failed).most_common(1)
+    go = [i for i, g in enumerate(first) if any(not t.failed and t.reward != seen[0][0] for t in g)]
+    rest = split(rollouts(agent, tok, [tasks[i] for i in go], step, d, args, user_kw, trials=(K, G)),
+                 [G - K] * len(go)) if go else []
+    for i, more in zip(go, rest):
+        first[i] = first[i] + more
+    return first
+
+
+def rollouts(agent, tok, tasks, step, d, args, user_kw, trials=None):
+    """Trials [a, b) of every task (None: the whole group), task-major, saved as <out>/rollouts/step-S-draw-D.jsonl
+    (with --screen: ...-draw-D-trials-a-b.jsonl; whole Trajectories: token ids, masks, sampler log-probs, messages,
+    rewards, diffs; viewer.py shows them); with --rollouts DIR, read from another run's files instead of sampled,
+    so update rules (--loss-agg, --lr, --kl-coef, ...) can be compared on identical rollouts."""
+    a, b = trials or (0, args.group_size)
+    name = f"step-{step + 1:06d}-draw-{d}" + (f"-trials-{a}-{b}" if trials else "") + ".jsonl"
     if args.rollouts:
         path = os.path.join(args.rollouts, name)
         if not os.path.isfile(path):
-            raise SystemExit(f"--rollouts {args.rollouts}: no {name}; that run drew fewer steps or batches")
+            raise SystemExit(f"--rollouts {args.rollouts}: no {name}; that run drew fewer steps or batches, or "
+                             "screened differently (--screen)")
         with open(path) as f:
             return [rollout.Trajectory(**json.loads(line)) for line in f]
-    trajs = rollout.run_episodes(agent, tok, tasks, group_size=args.group_size, user=args.user,
+    trajs = rollout.run_episodes(agent, tok, tasks, group_size=b - a, first_trial=a, user=args.user,
                                  max_turns=args.max_turns, max_context=args.max_context,
                                  seed=args.seed * 1_000_003 + step * 101 + d, shaped=args.reward == "shaped",
                                  progress=True, **user_kw)
@@ -351,6 +387,7 @@ def step_metrics(step, drawn, kept, lost, st, adv, seconds):
                     rewards=[t.reward for t in g], trained=id(g) in trained, advantages=trained.get(id(g)), filtered=why)
     return dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
                 groups_drawn=len(drawn), groups_varied=sum(map(has_signal, drawn)),
+                signal_token_share=sum(sum(t.loss_mask) for g in drawn if has_signal(g) for t in g) / max(sampled, 1),
                 groups_trained=len(kept), kl=per("kl_sum"), clip_frac=per("clipped"),
                 grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
                 entropy=-sum(sum(t.logprobs) for t in rollouts) / max(sampled, 1), tokens=sampled,
@@ -363,10 +400,10 @@ def step_metrics(step, drawn, kept, lost, st, adv, seconds):
 def log_line(m, steps) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)                    # noqa: E731
     return (f"step {m['step']:3d}/{steps} | reward {m['reward']:.3f} | groups {m['groups_trained']} of "
-            f"{m['groups_varied']} with signal of {m['groups_drawn']} | kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f}"
-            f" | clip {f(m['clip_frac'], '.3f')} | gnorm {f(m['grad_norm'], '.3f')} | held-out "
-            f"{f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | {m['s_per_step']:.0f} s/step | "
-            f"{f(m['tok_per_s'], '.1f')} tok/s")
+            f"{m['groups_varied']} with signal of {m['groups_drawn']} ({m['signal_token_share']:.0%} of tokens) | kl "
+            f"{f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')} | gnorm "
+            f"{f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | "
+            f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s")
 
 
 def heldout_pass1(model, tok, tasks, args, user_kw) -> dict:

@@ -341,12 +341,13 @@ def _append_turn(traj, fmt, role, content):
     traj.stats[f"{role}_tokens"] += len(ids)
 
 
-def start_conversations(tasks, group_size, user, seed, shaped, fmt, max_new, max_context, user_workers, user_kw):
-    """A fresh env and simulated user per rollout, task-major, and each conversation's prompt: the system
-    prompt (policy + tools) and the user's opening. -> ([(env, user, Trajectory)], how many users to ask at once)."""
+def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_context, user_workers, user_kw):
+    """A fresh env and simulated user per rollout (each task's trials, task-major), and each conversation's prompt:
+    the system prompt (policy + tools) and the user's opening. -> ([(env, user, Trajectory)], how many users to
+    ask at once)."""
     made = []   # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
     for i, task in enumerate(tasks):
-        for g in range(group_size):
+        for g in trials:
             env = worlds.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
             made.append((env, worlds.make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
                                                **user_kw), i, g))
@@ -420,17 +421,19 @@ def user_turn(traj, said, fmt):
 
 def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
-                 user_workers: int = 16, **user_kw) -> list[Trajectory]:
-    """len(tasks) * group_size rollouts, task-major. Each round every conversation waiting on the agent is
-    advanced by one agent.act() call; then each runs its tool call or gets its user's reply, users asked
-    together (user_workers at a time: an LLM user waits on the network). user_kw goes to the user (the local
-    user's own model= and tokenizer=: the first three parameters are positional-only so that they can).
+                 user_workers: int = 16, first_trial: int = 0, **user_kw) -> list[Trajectory]:
+    """len(tasks) * group_size rollouts, task-major: trials first_trial .. first_trial + group_size - 1 of each
+    task (rl.py --screen samples a group's first trials, then the rest of some). Each round every conversation
+    waiting on the agent is advanced by one agent.act() call; then each runs its tool call or gets its user's
+    reply, users asked together (user_workers at a time: an LLM user waits on the network). user_kw goes to the
+    user (the local user's own model= and tokenizer=: the first three parameters are positional-only so that
+    they can).
     Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs). The chat
     format (e.g. thinking on or off) is the agent's."""
     fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)
-    convs, workers = start_conversations(tasks, group_size, user, seed, shaped, fmt, max_new, max_context,
-                                         user_workers, user_kw)
+    convs, workers = start_conversations(tasks, range(first_trial, first_trial + group_size), user, seed, shaped,
+                                         fmt, max_new, max_context, user_workers, user_kw)
     active = [c for c, (_, _, traj) in enumerate(convs) if not traj.stop_reason]
     bar = tqdm(total=len(convs), desc="conversations", disable=not progress, leave=False,
                bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")

@@ -85,18 +85,18 @@ def read_rl(run_dir: str) -> tuple[list, list]:
     by_step = {m["step"]: m for m in metrics}
     files = {}
     for path in glob.glob(os.path.join(rollouts_dir(run_dir), "step-*-draw-*.jsonl")):
-        s, d = map(int, re.search(r"step-(\d+)-draw-(\d+)\.jsonl$", path).groups())
+        s, d = map(int, re.search(r"step-(\d+)-draw-(\d+)(-trials-\d+-\d+)?\.jsonl$", path).groups()[:2])
         files.setdefault(s, []).append((d, path))
     steps = []
     for s in sorted(files):
         m = by_step.get(s)
         records = {r["task"]: r for r in (m or {}).get("per_group", [])}   # a task is drawn once a step
-        groups = []
+        tasks = {}                                 # task -> its rollouts (with --screen, from two files)
         for _, path in sorted(files[s]):
-            trajs = [rollout.Trajectory(**d) for d in read_jsonl(path)]
-            for g in sorted({t.group for t in trajs}):
-                mine = [t for t in trajs if t.group == g]
-                groups.append(dict(rollouts=mine, record=records.get(mine[0].task_id)))
+            for d in read_jsonl(path):
+                tasks.setdefault(d["task_id"], []).append(rollout.Trajectory(**d))
+        groups = [dict(rollouts=sorted(mine, key=lambda t: t.trial), record=records.get(task))
+                  for task, mine in tasks.items()]
         steps.append((s, m, groups))
     return metrics, steps
 
@@ -285,9 +285,10 @@ def step_line(m: dict | None) -> str:
     if m is None:
         return "<p class=meta>no metrics line for this step</p>"
     f = lambda x, spec: "-" if x is None else format(x, spec)                    # noqa: E731
+    share = f" ({m['signal_token_share']:.0%} of the tokens)" if "signal_token_share" in m else ""
     held = f" · held-out pass^1 after the step {m['heldout_pass1']:.3f}" if m.get("heldout_pass1") is not None else ""
     return (f"<p class=meta>reward {m['reward']:.3f} · pass rate {m['pass_rate']:.3f} · groups: {m['groups_drawn']} "
-            f"drawn, {m['groups_varied']} with reward variance, {m['groups_trained']} trained · kl {f(m['kl'], '.5f')}"
+            f"drawn, {m['groups_varied']} with reward variance{share}, {m['groups_trained']} trained · kl {f(m['kl'], '.5f')}"
             f" · {m['tokens']} tokens sampled, {m['train_tokens']} trained · simulator failures {m['sim_failures']}"
             f"{held}</p>")
 

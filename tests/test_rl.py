@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import rl as rl_module
 from kernels import pad_right, prefix_batches, split_mini_batches
 from rl import group_advantages, grpo_loss, grpo_update, has_signal, reference_policy
 
@@ -42,6 +43,30 @@ def test_zero_variance_groups_have_no_signal_and_zero_advantage():
     assert [has_signal(g) for g in groups] == [False, False, True, False]
     assert adv[[0, 1, 2, 3, 6, 7]].abs().max().item() == 0.0
     assert adv[4].item() == pytest.approx(1.0, abs=1e-3) and adv[5].item() == pytest.approx(-1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("first, finished", [([0, 1, 0, 0], [1]), ([1, 1, 0, 1], [2]), ([0, 0, 0, 0], []),
+                                             ([0, 0.5, 0, 1], [1, 3]),
+                                             ([1, 0, 1, 0], [1, 3])])
+def test_screening_finishes_the_tasks_whose_first_rollout_got_a_rare_reward(monkeypatch, first, finished):
+    """--screen 1: a task's group is finished when its first reward differs from the batch's most common one: a
+    success among failures, a failure among successes, any shaped value off the mode. A rollout whose simulator
+    failed (reward 0, failed) neither counts towards the mode nor finishes its task. A tie goes to the reward seen
+    first."""
+    calls = []
+
+    def fake_rollouts(agent, tok, tasks, step, d, args, user_kw, trials=None):
+        calls.append(([t.id for t in tasks], trials))
+        return [SimpleNamespace(task_id=t.id, trial=g, failed="user" if t.id == "lost" else None, loss_mask=[1],
+                                reward=0.0 if t.id == "lost" or g else first[int(t.id)])
+                for t in tasks for g in range(*trials)]
+    monkeypatch.setattr(rl_module, "rollouts", fake_rollouts)
+    ids = [str(i) for i in range(len(first))] + ["lost"]
+    groups = rl_module.screened(None, None, [SimpleNamespace(id=i) for i in ids], 0, 0,
+                         SimpleNamespace(screen=1, group_size=4), {})
+    assert calls == [(ids, (0, 1))] + ([([str(i) for i in finished], (1, 4))] if finished else [])
+    assert [len(g) for g in groups] == [4 if i in finished else 1 for i in range(len(first))] + [1]
+    assert all([t.trial for t in g] == list(range(len(g))) for g in groups)
 
 
 def test_grpo_loss_matches_hand_computation():

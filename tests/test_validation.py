@@ -19,6 +19,7 @@ CASES = [   # script, bad flags, the flag the line must name
     ("rl.py", ["--lr", "-1e-4"], "--lr"),
     ("rl.py", ["--lr", "abc"], "--lr"),
     ("rl.py", ["--group-size", "1"], "--group-size"),
+    ("rl.py", ["--screen", "8"], "--screen"),
     ("rl.py", ["--steps", "-1"], "--steps"),
     ("rl.py", ["--steps", "0"], "--steps"),
     ("rl.py", ["--temperature", "0"], "--temperature"),

@@ -198,7 +198,7 @@ def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
     agent: no model); step_metrics records it; the page shows each group as rl.py filtered it, every token of
     every rollout, and the agent's script tag as text."""
     args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=1, max_sim_failures=0.25, rollouts=None,
-                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path))
+                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path), screen=0)
     json.dump(vars(args), open(tmp_path / "args.json", "w"))
     pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
     drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
@@ -216,6 +216,35 @@ def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
         check_tokens(page, ep, t, lambda i: tok.decode([i]))
     assert SCRIPT in "".join(x[2] for x in page.episodes[0]["tokens"]) and SCRIPT not in html
     assert [f"advantage {x:+.3f}" in ep["summary"] for ep, x in zip(page.episodes, adv.tolist())] == [True] * 4
+
+
+def test_screened_groups_are_finished_in_a_second_file_and_shown_whole(tmp_path, tok):
+    """rl.py --screen 2 with the same agent: trials 0-1 of the three tasks first (the first two tasks solved on
+    trial 1, the third never), then trials 2-3 only of the two tasks whose rewards differ. The step's groups are
+    those two whole groups and a group of 2 that teaches nothing; the page shows each group's rollouts together,
+    in trial order, from the two files."""
+    args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=3, max_sim_failures=0.25, rollouts=None,
+                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path), screen=2)
+    json.dump(vars(args), open(tmp_path / "args.json", "w"))
+    pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
+    drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
+    files = sorted(os.listdir(tmp_path / "rollouts"))
+    assert files == ["step-000001-draw-0-trials-0-2.jsonl", "step-000001-draw-0-trials-2-4.jsonl"]
+    saved = [[json.loads(line)["trial"] for line in open(tmp_path / "rollouts" / f)] for f in files]
+    assert saved == [[0, 1] * 3, [2, 3] * 2]
+    assert [[t.trial for t in g] for g in drawn] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1]]
+    assert [[t.reward for t in g] for g in drawn] == [[0.0, 1.0, 0.0, 1.0]] * 2 + [[0.0, 0.0]] and kept == drawn[:2]
+    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
+    m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
+    tokens = [sum(sum(t.loss_mask) for t in g) for g in drawn]
+    assert m["signal_token_share"] == pytest.approx(sum(tokens[:2]) / sum(tokens)) and 0 < tokens[2]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(m) + "\n")
+    html, n = viewer.build(str(tmp_path), viewer.load_vocab(rollout.DEFAULT_MODEL))
+    page = Page(html)
+    assert n == 10 == len(page.episodes)
+    for ep, t in zip(page.episodes, [t for g in drawn for t in g]):
+        check_tokens(page, ep, t, lambda i: tok.decode([i]))
 
 
 def test_eval_page_pairs_the_episodes_where_agents_differ(tmp_path):
