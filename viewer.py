@@ -276,9 +276,10 @@ def group_html(g: dict, vocab: Vocab) -> str:
 
 
 def settings(a: dict, names: str) -> str:
-    """The run's model and the named flags it has in args.json, one line."""
+    """The run's model and the named flags it has in args.json, one line (--screen only when on)."""
     return " · ".join([f"model {esc(str(a.get('model') or rollout.DEFAULT_MODEL))}"] +
-                      [f"{k.replace('_', ' ')} {esc(str(a[k]))}" for k in names.split() if a.get(k) is not None])
+                      [f"{k.replace('_', ' ')} {esc(str(a[k]))}" for k in names.split() if a.get(k) is not None
+                       and (k != "screen" or a[k])])
 
 
 def step_line(m: dict | None) -> str:
@@ -298,7 +299,7 @@ def rl_page(run_dir: str, vocab: Vocab) -> tuple[str, int]:
     a = run_args(run_dir)
     start = [m for m in metrics if m["step"] == 0 and m.get("heldout_pass1") is not None]
     head = [f"<h1>rl.py rollouts: {esc(run_dir)}</h1>",
-            f"<p class=meta>{settings(a, 'init user domains group_size temperature reward max_turns')}"
+            f"<p class=meta>{settings(a, 'init user domains group_size screen temperature reward max_turns')}"
             + (f" · held-out pass^1 before training {start[0]['heldout_pass1']:.3f}" if start else "") + "</p>",
             LEGEND.format(", green: pushed up (advantage > 0), red: pushed down (< 0), grey: its group was filtered, "
                           "not trained"),
