@@ -293,7 +293,7 @@ def task_sets(args):
 
 def sample_groups(agent, tok, pools, step, args, user_kw):
     """Steps 1-2: batches of --draw tasks x G rollouts (a fresh env and simulated user each, inside
-    run_episodes) until --tasks groups have reward variance or --max-draws batches ran. Domains alternate in
+    run_episodes; with --screen, `screened`) until --tasks groups have reward variance or --max-draws batches ran. Domains alternate in
     a batch; each domain's system prompt is prefilled once for its rows. The task order has its own RNG, so
     a resumed run redraws the same tasks. A rollout whose user simulator or environment failed is left out
     of its group: its 0 would be the infrastructure's, not the agent's. -> (drawn groups, kept groups, the
