@@ -293,11 +293,11 @@ def task_sets(args):
 
 def sample_groups(agent, tok, pools, step, args, user_kw):
     """Steps 1-2: batches of --draw tasks x G rollouts (a fresh env and simulated user each, inside
-    run_episodes; with --screen, `screened`) until --tasks groups have reward variance or --max-draws batches ran. Domains alternate in
-    a batch; each domain's system prompt is prefilled once for its rows. The task order has its own RNG, so
-    a resumed run redraws the same tasks. A rollout whose user simulator or environment failed is left out
-    of its group: its 0 would be the infrastructure's, not the agent's. -> (drawn groups, kept groups, the
-    number of rollouts left out)."""
+    run_episodes; with --screen, `screened`) until --tasks groups have reward variance or --max-draws batches
+    ran. Domains alternate in a batch; each domain's system prompt is prefilled once for its rows. The task order
+    has its own RNG, so a resumed run redraws the same tasks. A rollout whose user simulator or environment
+    failed is left out of its group: its 0 would be the infrastructure's, not the agent's. -> (drawn groups, kept
+    groups, the number of rollouts left out)."""
     rng, G = random.Random(args.seed * 1_000_003 + step), args.group_size
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]

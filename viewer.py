@@ -93,8 +93,8 @@ def read_rl(run_dir: str) -> tuple[list, list]:
         records = {r["task"]: r for r in (m or {}).get("per_group", [])}   # a task is drawn once a step
         tasks = {}                                 # task -> its rollouts (with --screen, from two files)
         for _, path in sorted(files[s]):
-            for d in read_jsonl(path):
-                tasks.setdefault(d["task_id"], []).append(rollout.Trajectory(**d))
+            for row in read_jsonl(path):
+                tasks.setdefault(row["task_id"], []).append(rollout.Trajectory(**row))
         groups = [dict(rollouts=sorted(mine, key=lambda t: t.trial), record=records.get(task))
                   for task, mine in tasks.items()]
         steps.append((s, m, groups))
@@ -289,8 +289,9 @@ def step_line(m: dict | None) -> str:
     share = f" ({m['signal_token_share']:.0%} of the tokens)" if "signal_token_share" in m else ""
     held = f" · held-out pass^1 after the step {m['heldout_pass1']:.3f}" if m.get("heldout_pass1") is not None else ""
     return (f"<p class=meta>reward {m['reward']:.3f} · pass rate {m['pass_rate']:.3f} · groups: {m['groups_drawn']} "
-            f"drawn, {m['groups_varied']} with reward variance{share}, {m['groups_trained']} trained · kl {f(m['kl'], '.5f')}"
-            f" · {m['tokens']} tokens sampled, {m['train_tokens']} trained · simulator failures {m['sim_failures']}"
+            f"drawn, {m['groups_varied']} with reward variance{share}, {m['groups_trained']} trained · kl "
+            f"{f(m['kl'], '.5f')} · {m['tokens']} tokens sampled, {m['train_tokens']} trained · simulator failures "
+            f"{m['sim_failures']}"
             f"{held}</p>")
 
 

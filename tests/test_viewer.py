@@ -198,7 +198,8 @@ def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
     agent: no model); step_metrics records it; the page shows each group as rl.py filtered it, every token of
     every rollout, and the agent's script tag as text."""
     args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=1, max_sim_failures=0.25, rollouts=None,
-                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path), screen=0)
+                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path),
+                           screen=0)
     json.dump(vars(args), open(tmp_path / "args.json", "w"))
     pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
     drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
@@ -224,7 +225,8 @@ def test_screened_groups_are_finished_in_a_second_file_and_shown_whole(tmp_path,
     those two whole groups and a group of 2 that teaches nothing; the page shows each group's rollouts together,
     in trial order, from the two files."""
     args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=3, max_sim_failures=0.25, rollouts=None,
-                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path), screen=2)
+                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path),
+                           screen=2)
     json.dump(vars(args), open(tmp_path / "args.json", "w"))
     pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
     drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
