@@ -193,20 +193,28 @@ class Mixed(rollout.TextAgent):
         return self.oracle.respond(task, messages) if solve else SCRIPT
 
 
-def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
-    """rl.py's own sample_groups / rollouts save a step's real conversations (scripted user, real env, an oracle
-    agent: no model); step_metrics records it; the page shows each group as rl.py filtered it, every token of
-    every rollout, and the agent's script tag as text."""
-    args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=1, max_sim_failures=0.25, rollouts=None,
-                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path),
-                           screen=0)
-    json.dump(vars(args), open(tmp_path / "args.json", "w"))
+def sample_step(out, tok, tasks: int, screen: int):
+    """rl.py's own sample_groups / rollouts on 3 airline tasks x 4 rollouts with the Mixed agent (scripted user, real
+    env, no model), saved under out with args.json and the step's metrics line, as rl.py writes them.
+    -> (drawn groups, kept groups, their advantages, the metrics line)."""
+    args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=tasks, max_sim_failures=0.25, rollouts=None,
+                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(out),
+                           screen=screen)
+    json.dump(vars(args), open(out / "args.json", "w"))
     pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
     drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
     adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
     m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
-    with open(tmp_path / "metrics.jsonl", "w") as f:
+    with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
+    return drawn, kept, adv, m
+
+
+def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
+    """rl.py's own sample_groups / rollouts save a step's real conversations (scripted user, real env, an oracle
+    agent: no model); step_metrics records it; the page shows each group as rl.py filtered it, every token of
+    every rollout, and the agent's script tag as text."""
+    drawn, kept, adv, m = sample_step(tmp_path, tok, tasks=1, screen=0)
     assert [(g["rewards"], g["filtered"]) for g in m["per_group"]] == [
         ([0.0, 1.0, 0.0, 1.0], ""), ([0.0, 1.0, 0.0, 1.0], "over --tasks cap"), ([0.0] * 4, "no variance")]
     vocab = viewer.load_vocab(rollout.DEFAULT_MODEL)
@@ -224,24 +232,15 @@ def test_screened_groups_are_finished_in_a_second_file_and_shown_whole(tmp_path,
     trial 1, the third never), then trials 2-3 only of the two tasks whose rewards differ. The step's groups are
     those two whole groups and a group of 2 that teaches nothing; the page shows each group's rollouts together,
     in trial order, from the two files."""
-    args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=3, max_sim_failures=0.25, rollouts=None,
-                           user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(tmp_path),
-                           screen=2)
-    json.dump(vars(args), open(tmp_path / "args.json", "w"))
-    pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
-    drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
+    drawn, kept, adv, m = sample_step(tmp_path, tok, tasks=3, screen=2)
     files = sorted(os.listdir(tmp_path / "rollouts"))
     assert files == ["step-000001-draw-0-trials-0-2.jsonl", "step-000001-draw-0-trials-2-4.jsonl"]
     saved = [[json.loads(line)["trial"] for line in open(tmp_path / "rollouts" / f)] for f in files]
     assert saved == [[0, 1] * 3, [2, 3] * 2]
     assert [[t.trial for t in g] for g in drawn] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1]]
     assert [[t.reward for t in g] for g in drawn] == [[0.0, 1.0, 0.0, 1.0]] * 2 + [[0.0, 0.0]] and kept == drawn[:2]
-    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
-    m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
     tokens = [sum(sum(t.loss_mask) for t in g) for g in drawn]
     assert m["signal_token_share"] == pytest.approx(sum(tokens[:2]) / sum(tokens)) and 0 < tokens[2]
-    with open(tmp_path / "metrics.jsonl", "w") as f:
-        f.write(json.dumps(m) + "\n")
     html, n = viewer.build(str(tmp_path), viewer.load_vocab(rollout.DEFAULT_MODEL))
     page = Page(html)
     assert n == 10 == len(page.episodes)
