@@ -6,7 +6,8 @@ the one private TRL call (rl_trl.generate_turn) returns what TRLAgent assumes; u
 each rank rolls out whole groups and ends with the same LoRA weights; from an SFT adapter the KL of step 1 is 0 and
 the reference stays the SFT adapter while the policy moves.
 
-Run:  pytest tests/test_rl_trl.py -s     # ~1-2 min on 2 cores
+Run:  pytest tests/test_rl_trl.py -s            # ~1 min on 2 cores
+      pytest tests/test_rl_trl.py -m slow -s    # the torchrun check
 """
 import json
 import os
@@ -193,6 +194,7 @@ json.dump(dict(prompts=seen, sha=digest, moved=any(not torch.equal(before[n], af
 """
 
 
+@pytest.mark.slow      # two processes, each importing TRL and building the trainer: most of a minute
 def test_torchrun_two_processes_hold_whole_groups_and_end_with_identical_lora(tiny, tmp_path):
     (tmp_path / "driver.py").write_text(DRIVER.format(root=ROOT, tests=os.path.join(ROOT, "tests"), out=str(tmp_path)))
     env = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")

@@ -1,9 +1,10 @@
 """τ²-bench through our loop (tau2_domains.py): splits, the gold oracle and doing nothing under τ²'s own
-evaluators, τ²'s user with telecom's phone tools, sft.py and rl.py on its train split, and (slow) one real
+evaluators, τ²'s user with telecom's phone tools, and (slow) sft.py and rl.py on its train split and one real
 episode with a llama.cpp server as the user.
 
-Run:  pytest tests/test_tau2.py -s            # gold / no-op sweeps: telecom whole, retail and airline's first 12
-      pytest tests/test_tau2.py -m slow -s    # retail and airline whole, one episode against llama.cpp's server
+Run:  pytest tests/test_tau2.py -s            # gold / no-op sweeps: telecom whole, retail and airline's first 4
+      pytest tests/test_tau2.py -m slow -s    # retail and airline whole, sft.py then rl.py, one episode against
+                                              # llama.cpp's server
 """
 import json
 import os
@@ -41,8 +42,8 @@ def test_splits_are_tau2s_own_and_disjoint(domain):
 
 
 # Every base task of each domain; retail's and airline's full sweeps take minutes (τ²'s evaluator replays
-# and hashes the DB), so the fast suite sweeps their first 12 tasks and `-m slow` (run by CI) all of them.
-SWEEPS = [("tau2-retail", 12), ("tau2-airline", 12), ("tau2-telecom", None),
+# and hashes the DB), so the fast suite sweeps their first 4 tasks and `-m slow` (run by CI) all of them.
+SWEEPS = [("tau2-retail", 4), ("tau2-airline", 4), ("tau2-telecom", None),
           pytest.param("tau2-retail", None, marks=pytest.mark.slow),
           pytest.param("tau2-airline", None, marks=pytest.mark.slow)]
 
@@ -182,6 +183,7 @@ def test_eval_prints_tau2_beside_the_papers_numbers():
     assert ev.paper_tables({"base": {"tau": {"per_domain": {"retail": s}, "extras": {}}}}) == ""
 
 
+@pytest.mark.slow      # two stages in subprocesses on τ²'s 5k-token prompts: about a minute
 def test_sft_then_rl_train_on_a_tau2_train_split(tmp_path):
     """sft.py (the oracle on τ²'s train tasks) then rl.py (GRPO from that adapter, an OpenAI-compatible
     user playing τ²'s scenario) run by domain name: a random 2-layer Llama with the default model's
