@@ -30,8 +30,9 @@ Run
                  --max-turns 80 --max-context 16384    # BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
-  failures_<agent>.jsonl, episodes_<agent>.jsonl, done/ (each agent and user evaluated: a killed run, rerun,
-  evaluates only what is left, and a rerun with more --agents or --user only what is new). `python viewer.py
+  failures_<agent>.jsonl, episodes_<agent>.jsonl, done/ (each agent and user evaluated, with its adapter's digest:
+  a killed run, rerun, evaluates only what is left, a rerun with more --agents or --user only what is new, and an
+  adapter trained again at the same path anew). `python viewer.py
   runs/eval` shows the episodes as one page, and the tasks one agent solved and another did not, side by side.
 
 Simplifications vs the paper
@@ -47,6 +48,7 @@ Simplifications vs the paper
   * besides pass^k, the table counts the agent's tool calls per agent turn (ok = executed without
     error, err = the env refused it, malformed = not parseable): a format learned shows there first.
 """
+import hashlib
 import json
 import math
 import os
@@ -186,12 +188,19 @@ def paired_difference(a: dict, b: dict, n_boot: int = 10000, seed: int = 0, alph
 
 # ----------------------------------------------------------------------------- agents
 
+def adapter_of(spec: str, args) -> str | None:
+    """The adapter dir an --agents entry loads (None: base, or an openai: endpoint)."""
+    if spec.startswith("openai:"):
+        return None
+    return {"base": None, "sft": args.sft_adapter, "rl": args.rl_adapter}.get(spec, spec)
+
+
 def build_agent(spec: str, args):
     """(agent, tokenizer, label) for one --agents entry, or None when its adapter does not exist."""
     if spec.startswith("openai:"):
         tok = rollout.load_tokenizer(args.model or rollout.DEFAULT_MODEL)   # only to count tokens
         return rollout.OpenAIAgent(tok, spec.split(":", 1)[1], args.openai_base_url, temperature=args.temperature), tok, spec
-    adapter = {"base": None, "sft": args.sft_adapter, "rl": args.rl_adapter}.get(spec, spec)
+    adapter = adapter_of(spec, args)
     if adapter is not None and not os.path.exists(os.path.join(adapter, "adapter_config.json")):
         print(f"skipping agent {spec!r}: no adapter at {adapter}")
         return None
@@ -468,8 +477,9 @@ RESUME_FREE = ("agents", "user", "paired_metric")   # flags that leave each agen
 
 def done_before(args, name: str, user: str) -> dict | None:
     """A killed eval.py resumes agent by user: each agent's evaluation with each user is saved with the run's other
-    arguments (<out>/done/<agent @ user>.pkl, pickled: its pass^k keys are ints) and read back, not re-run, by a
-    rerun whose arguments are the same but for RESUME_FREE (so a run may also grow its --agents or --user)."""
+    arguments and its adapter's digest (<out>/done/<agent @ user>.pkl, pickled: its pass^k keys are ints) and read
+    back, not re-run, by a rerun whose arguments are the same but for RESUME_FREE and whose adapter files are the
+    same (so a run may also grow its --agents or --user, and an ablation's arms share one baseline)."""
     path = done_file(args, name, user)
     if not os.path.exists(path):
         return None
@@ -477,12 +487,34 @@ def done_before(args, name: str, user: str) -> dict | None:
         saved = pickle.load(f)
     if saved["args"] != resume_key(args):
         return None
-    print(f"== {name} with user {user}: evaluated before with these arguments, read from {path}")
+    if saved.get("adapter") != adapter_digest(name, args):
+        print(f"== {name} with user {user}: its adapter changed since {path} was written; evaluating it again")
+        return None
+    print(f"== {name} with user {user}: evaluated before with these arguments and this adapter, read from {path}")
     return saved["tau"]
+
+
+def save_done(args, name: str, user: str, tau: dict):
+    with open(done_file(args, name, user), "wb") as f:
+        pickle.dump({"args": resume_key(args), "adapter": adapter_digest(name, args), "tau": tau}, f)
 
 
 def done_file(args, name: str, user: str) -> str:
     return out_file(args, "done/", f"{name} @ {user}", ".pkl")
+
+
+def adapter_digest(name: str, args) -> str | None:
+    """sha256 of the agent's adapter files (adapter_*), so that an adapter trained again at the same path, e.g.
+    runs/rl/adapter after another rl.py run, is evaluated again, not read back. None: no adapter (base, openai:)."""
+    adapter = adapter_of(name, args)
+    if adapter is None or not os.path.isdir(adapter):
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(f for f in os.listdir(adapter) if f.startswith("adapter_")):
+        digest.update(file.encode() + b"\0")
+        with open(os.path.join(adapter, file), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
 
 
 def resume_key(args) -> dict:
@@ -516,8 +548,7 @@ def main(argv=None):
                 for rec in tau["failures"]:
                     f.write(json.dumps(rec) + "\n")
             save_episodes(out_file(args, "episodes_", label, ".jsonl"), label, tau.pop("episodes"))
-            with open(done_file(args, name, user), "wb") as f:
-                pickle.dump({"args": resume_key(args), "tau": tau}, f)
+            save_done(args, name, user, tau)
             o, b = tau["overall"], tau["behaviour"]["all"]
             print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) + "  " +
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +

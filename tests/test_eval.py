@@ -1,6 +1,7 @@
 """eval.py: pass^k by hand, bootstrap CI, paired comparisons, pass^k of the oracle agent, the report, and the
 --smoke run. BFCL's world: tests/test_bfcl.py."""
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -305,6 +306,29 @@ def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_
     with pytest.raises(KeyboardInterrupt):
         ev.main(argv[:-2] + ["--seed", "1", "--out", str(tmp_path)])
     assert ran == ["none", "scripted"]
+
+
+def test_an_agent_is_read_back_only_while_its_adapter_files_are_unchanged(tmp_path, capsys):
+    """runs/rl/adapter trained again (another rl.py run, the same path) is evaluated again, not read back: the
+    saved evaluation carries its adapter's digest. An unchanged adapter, even copied elsewhere under the same
+    name, is read back; so is the base model, which has none."""
+    adapter = tmp_path / "rl" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights of the first run")
+    (adapter / "README.md").write_text("a model card: not the weights")
+    args = ev.parse_args(["--agents", "base,rl", "--rl-adapter", str(adapter), "--out", str(tmp_path / "eval")])
+    os.makedirs(tmp_path / "eval" / "done")
+    for name in ("base", "rl"):
+        ev.save_done(args, name, "scripted", {"of": name})
+    assert ev.done_before(args, "rl", "scripted") == {"of": "rl"}
+    (adapter / "README.md").write_text("edited")
+    assert ev.done_before(args, "rl", "scripted") == {"of": "rl"}
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights of the second run")
+    capsys.readouterr()
+    assert ev.done_before(args, "rl", "scripted") is None
+    assert "its adapter changed" in capsys.readouterr().out
+    assert ev.done_before(args, "base", "scripted") == {"of": "base"}
 
 
 def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
