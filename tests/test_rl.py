@@ -477,6 +477,9 @@ def test_smoke_two_steps_writes_everything_under_out(tmp_path):
     assert json.load(open(tmp_path / "args.json"))["out"] == str(tmp_path)
     assert "step   2/2 | reward" in r.stdout + r.stderr
     assert "init: base model" in r.stdout
+    # bitsandbytes' probe finds our kernels/ package instead of the hub's and would log a false error
+    # (kernels/__init__.py filters exactly that record; tests/test_layout.py checks a real one still prints)
+    assert "kernels-community" not in r.stderr and "get_kernel" not in r.stderr
 
 
 TRAINS = ["--steps", "4", "--max-turns", "2", "--domains", "retail", "--tiers", "hard", "--draw", "2",
@@ -546,7 +549,8 @@ def three_of_four(tiny_model_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("damage", ["truncate the adapter", "delete the optimizer state"])
+@pytest.mark.parametrize("damage", ["truncate the adapter",
+                                    pytest.param("delete the optimizer state", marks=pytest.mark.slow)])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_model_dir, uninterrupted, three_of_four,
                                                                   damage):
     """The newest checkpoint damaged as a full disk or a cut copy leaves it: the rerun says so in one line,

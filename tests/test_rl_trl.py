@@ -7,7 +7,7 @@ each rank rolls out whole groups and ends with the same LoRA weights; from an SF
 the reference stays the SFT adapter while the policy moves.
 
 Run:  pytest tests/test_rl_trl.py -s            # ~1 min on 2 cores
-      pytest tests/test_rl_trl.py -m slow -s    # the torchrun check
+      pytest tests/test_rl_trl.py -m slow -s    # torchrun, and the KL from an SFT adapter
 """
 import json
 import os
@@ -144,6 +144,7 @@ def test_tasks_must_split_into_whole_groups_over_the_processes(monkeypatch, caps
     assert e.value.code == 2 and "--tasks: 3 tasks do not split into whole groups over 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow      # two trainers, each a step: most of a minute
 def test_from_an_sft_adapter_kl_is_zero_before_the_first_update_and_the_reference_stays(tiny, tmp_path, monkeypatch):
     model, _ = rollout.load_model(tiny)
     model = rollout.add_lora(model)

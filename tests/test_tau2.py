@@ -2,8 +2,8 @@
 evaluators, τ²'s user with telecom's phone tools, and (slow) sft.py and rl.py on its train split and one real
 episode with a llama.cpp server as the user.
 
-Run:  pytest tests/test_tau2.py -s            # gold / no-op sweeps: telecom whole, retail and airline's first 4
-      pytest tests/test_tau2.py -m slow -s    # retail and airline whole, sft.py then rl.py, one episode against
+Run:  pytest tests/test_tau2.py -s            # gold / no-op sweeps: the first 4 or 12 tasks of each domain
+      pytest tests/test_tau2.py -m slow -s    # the domains whole, sft.py then rl.py, one episode against
                                               # llama.cpp's server
 """
 import json
@@ -41,11 +41,10 @@ def test_splits_are_tau2s_own_and_disjoint(domain):
     assert worlds.held_out_tasks([domain], 5, ["easy"]) == test[:5]
 
 
-# Every base task of each domain; retail's and airline's full sweeps take minutes (τ²'s evaluator replays
-# and hashes the DB), so the fast suite sweeps their first 4 tasks and `-m slow` (run by CI) all of them.
-SWEEPS = [("tau2-retail", 4), ("tau2-airline", 4), ("tau2-telecom", None),
-          pytest.param("tau2-retail", None, marks=pytest.mark.slow),
-          pytest.param("tau2-airline", None, marks=pytest.mark.slow)]
+# Every base task of each domain; the full sweeps take from half a minute (telecom) to minutes (τ²'s evaluator
+# replays and hashes the DB), so the fast suite sweeps the first few tasks of each and `-m slow` (run by CI) all.
+SWEEPS = [("tau2-retail", 4), ("tau2-airline", 4), ("tau2-telecom", 12),
+          *(pytest.param(domain, None, marks=pytest.mark.slow) for domain in tau2_domains.DOMAINS)]
 
 
 @pytest.mark.parametrize("domain,n", SWEEPS)
