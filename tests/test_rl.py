@@ -538,35 +538,26 @@ def adapter_tensors(path):
     return load_file(os.path.join(path, "adapter_model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def three_of_four(tiny_model_dir, tmp_path_factory):
-    """The uninterrupted run's first 3 steps (the same command with --steps 3): checkpoints 2 and 3 kept."""
-    out = tmp_path_factory.mktemp("three") / "run"
-    r = run_rl(out, "--model", os.path.join(tiny_model_dir, "model"), *TRAINS, "--steps", "3",
-               init=os.path.join(tiny_model_dir, "sft"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt-")) == ["ckpt-000002", "ckpt-000003"]   # last two
-    return out
-
-
 @pytest.mark.parametrize("damage", ["truncate the adapter",
                                     pytest.param("delete the optimizer state", marks=pytest.mark.slow)])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_model_dir, uninterrupted, three_of_four,
-                                                                  damage):
-    """The newest checkpoint damaged as a full disk or a cut copy leaves it: the rerun says so in one line,
-    resumes from the checkpoint before, and ends with exactly the adapter of a run that was never damaged."""
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_model_dir, uninterrupted, damage):
+    """The newest checkpoint (the last step's, of a copy of the uninterrupted run without its final adapter)
+    damaged as a full disk or a cut copy leaves it: the rerun says so in one line, resumes from the checkpoint
+    before, trains the last step again and ends with exactly the adapter of the run that was never damaged."""
     out = tmp_path / "run"
-    shutil.copytree(three_of_four, out)
+    shutil.copytree(uninterrupted, out)
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt-")) == ["ckpt-000003", "ckpt-000004"]   # last two
+    shutil.rmtree(out / "adapter")
     if damage == "truncate the adapter":
-        path = out / "ckpt-000003" / "adapter" / "adapter_model.safetensors"
+        path = out / "ckpt-000004" / "adapter" / "adapter_model.safetensors"
         path.write_bytes(path.read_bytes()[:100])
     else:
-        os.remove(out / "ckpt-000003" / "state.pt")
+        os.remove(out / "ckpt-000004" / "state.pt")
     r = run_rl(out, "--model", os.path.join(tiny_model_dir, "model"), *TRAINS, init=os.path.join(tiny_model_dir, "sft"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     said = [line for line in r.stdout.splitlines() if " is damaged " in line]
-    assert len(said) == 1 and "ckpt-000003" in said[0], r.stdout[-3000:]
-    assert "resumed from" in r.stdout and "ckpt-000002 at step 2" in r.stdout
+    assert len(said) == 1 and "ckpt-000004" in said[0], r.stdout[-3000:]
+    assert "resumed from" in r.stdout and "ckpt-000003 at step 3" in r.stdout
     assert [x["step"] for x in read_metrics(out)] == [1, 2, 3, 4]
     want, got = adapter_tensors(uninterrupted / "adapter"), adapter_tensors(out / "adapter")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
