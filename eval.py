@@ -494,9 +494,11 @@ def done_before(args, name: str, user: str) -> dict | None:
     return saved["tau"]
 
 
-def save_done(args, name: str, user: str, tau: dict):
+def save_done(args, name: str, user: str, tau: dict, digest: str | None):
+    """digest: adapter_digest of the agent's files, taken before they were loaded (an adapter rewritten while it
+    was being evaluated must not pass for what was evaluated)."""
     with open(done_file(args, name, user), "wb") as f:
-        pickle.dump({"args": resume_key(args), "adapter": adapter_digest(name, args), "tau": tau}, f)
+        pickle.dump({"args": resume_key(args), "adapter": digest, "tau": tau}, f)
 
 
 def done_file(args, name: str, user: str) -> str:
@@ -535,6 +537,7 @@ def main(argv=None):
                 results[label] = {"tau": tau}
                 continue
             if agent is None:               # loaded only for what is left to evaluate
+                digest = adapter_digest(name, args)   # before loading: files rewritten later fail to match it
                 if (built := build_agent(name, args)) is None:
                     break
                 agent, tok, _ = built
@@ -548,7 +551,7 @@ def main(argv=None):
                 for rec in tau["failures"]:
                     f.write(json.dumps(rec) + "\n")
             save_episodes(out_file(args, "episodes_", label, ".jsonl"), label, tau.pop("episodes"))
-            save_done(args, name, user, tau)
+            save_done(args, name, user, tau, digest)
             o, b = tau["overall"], tau["behaviour"]["all"]
             print(f"{label}: " + "  ".join(f"pass^{k} {v:.3f}" for k, v in o["pass^k"].items()) + "  " +
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +

@@ -320,7 +320,7 @@ def test_an_agent_is_read_back_only_while_its_adapter_files_are_unchanged(tmp_pa
     args = ev.parse_args(["--agents", "base,rl", "--rl-adapter", str(adapter), "--out", str(tmp_path / "eval")])
     os.makedirs(tmp_path / "eval" / "done")
     for name in ("base", "rl"):
-        ev.save_done(args, name, "scripted", {"of": name})
+        ev.save_done(args, name, "scripted", {"of": name}, ev.adapter_digest(name, args))
     assert ev.done_before(args, "rl", "scripted") == {"of": "rl"}
     (adapter / "README.md").write_text("edited")
     assert ev.done_before(args, "rl", "scripted") == {"of": "rl"}
