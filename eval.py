@@ -475,11 +475,12 @@ def out_file(args, prefix: str, label: str, suffix: str) -> str:
 RESUME_FREE = ("agents", "user", "paired_metric")   # flags that leave each agent-and-user's evaluation as it is
 
 
-def done_before(args, name: str, user: str) -> dict | None:
+def done_before(args, name: str, user: str, digest: str | None) -> dict | None:
     """A killed eval.py resumes agent by user: each agent's evaluation with each user is saved with the run's other
     arguments and its adapter's digest (<out>/done/<agent @ user>.pkl, pickled: its pass^k keys are ints) and read
     back, not re-run, by a rerun whose arguments are the same but for RESUME_FREE and whose adapter files are the
-    same (so a run may also grow its --agents or --user, and an ablation's arms share one baseline)."""
+    same (so a run may also grow its --agents or --user, and an ablation's arms share one baseline).
+    digest: adapter_digest of the agent now."""
     path = done_file(args, name, user)
     if not os.path.exists(path):
         return None
@@ -487,7 +488,7 @@ def done_before(args, name: str, user: str) -> dict | None:
         saved = pickle.load(f)
     if saved["args"] != resume_key(args):
         return None
-    if saved.get("adapter") != adapter_digest(name, args):
+    if saved.get("adapter") != digest:
         print(f"== {name} with user {user}: its adapter changed since {path} was written; evaluating it again")
         return None
     print(f"== {name} with user {user}: evaluated before with these arguments and this adapter, read from {path}")
@@ -495,8 +496,6 @@ def done_before(args, name: str, user: str) -> dict | None:
 
 
 def save_done(args, name: str, user: str, tau: dict, digest: str | None):
-    """digest: adapter_digest of the agent's files, taken before they were loaded (an adapter rewritten while it
-    was being evaluated must not pass for what was evaluated)."""
     with open(done_file(args, name, user), "wb") as f:
         pickle.dump({"args": resume_key(args), "adapter": digest, "tau": tau}, f)
 
@@ -531,13 +530,13 @@ def main(argv=None):
     user_specs, metrics, results = args.user.split(","), args.paired_metric.split(","), {}
     for spec in args.agents.split(","):
         name, agent = spec.strip(), None    # every agent meets every user: one label each, "agent @ user" if several
+        digest = adapter_digest(name, args)  # before loading: an adapter rewritten meanwhile will not match it
         for user in user_specs:
             label = name if len(user_specs) == 1 else f"{name} @ {user}"
-            if (tau := done_before(args, name, user)) is not None:
+            if (tau := done_before(args, name, user, digest)) is not None:
                 results[label] = {"tau": tau}
                 continue
             if agent is None:               # loaded only for what is left to evaluate
-                digest = adapter_digest(name, args)   # before loading: files rewritten later fail to match it
                 if (built := build_agent(name, args)) is None:
                     break
                 agent, tok, _ = built

@@ -276,10 +276,9 @@ def group_html(g: dict, vocab: Vocab) -> str:
 
 
 def settings(a: dict, names: str) -> str:
-    """The run's model and the named flags it has in args.json, one line (--screen only when on)."""
+    """The run's model and the named flags it has in args.json, one line."""
     return " · ".join([f"model {esc(str(a.get('model') or rollout.DEFAULT_MODEL))}"] +
-                      [f"{k.replace('_', ' ')} {esc(str(a[k]))}" for k in names.split() if a.get(k) is not None
-                       and (k != "screen" or a[k])])
+                      [f"{k.replace('_', ' ')} {esc(str(a[k]))}" for k in names.split() if a.get(k) is not None])
 
 
 def step_line(m: dict | None) -> str:
@@ -291,16 +290,16 @@ def step_line(m: dict | None) -> str:
     return (f"<p class=meta>reward {m['reward']:.3f} · pass rate {m['pass_rate']:.3f} · groups: {m['groups_drawn']} "
             f"drawn, {m['groups_varied']} with reward variance{share}, {m['groups_trained']} trained · kl "
             f"{f(m['kl'], '.5f')} · {m['tokens']} tokens sampled, {m['train_tokens']} trained · simulator failures "
-            f"{m['sim_failures']}"
-            f"{held}</p>")
+            f"{m['sim_failures']}{held}</p>")
 
 
 def rl_page(run_dir: str, vocab: Vocab) -> tuple[str, int]:
     metrics, steps = read_rl(run_dir)
     a = run_args(run_dir)
     start = [m for m in metrics if m["step"] == 0 and m.get("heldout_pass1") is not None]
+    flags = "init user domains group_size" + (" screen" if a.get("screen") else "") + " temperature reward max_turns"
     head = [f"<h1>rl.py rollouts: {esc(run_dir)}</h1>",
-            f"<p class=meta>{settings(a, 'init user domains group_size screen temperature reward max_turns')}"
+            f"<p class=meta>{settings(a, flags)}"
             + (f" · held-out pass^1 before training {start[0]['heldout_pass1']:.3f}" if start else "") + "</p>",
             LEGEND.format(", green: pushed up (advantage > 0), red: pushed down (< 0), grey: its group was filtered, "
                           "not trained"),

@@ -310,8 +310,8 @@ def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_
 
 def test_an_agent_is_read_back_only_while_its_adapter_files_are_unchanged(tmp_path, capsys):
     """runs/rl/adapter trained again (another rl.py run, the same path) is evaluated again, not read back: the
-    saved evaluation carries its adapter's digest. An unchanged adapter, even copied elsewhere under the same
-    name, is read back; so is the base model, which has none."""
+    saved evaluation carries its adapter's digest. An edit to a file that is not the adapter's (its model card)
+    changes nothing; the base model, which has no adapter, is read back."""
     adapter = tmp_path / "rl" / "adapter"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text("{}")
@@ -319,16 +319,17 @@ def test_an_agent_is_read_back_only_while_its_adapter_files_are_unchanged(tmp_pa
     (adapter / "README.md").write_text("a model card: not the weights")
     args = ev.parse_args(["--agents", "base,rl", "--rl-adapter", str(adapter), "--out", str(tmp_path / "eval")])
     os.makedirs(tmp_path / "eval" / "done")
+    read_back = lambda name: ev.done_before(args, name, "scripted", ev.adapter_digest(name, args))   # noqa: E731
     for name in ("base", "rl"):
         ev.save_done(args, name, "scripted", {"of": name}, ev.adapter_digest(name, args))
-    assert ev.done_before(args, "rl", "scripted") == {"of": "rl"}
+    assert read_back("rl") == {"of": "rl"}
     (adapter / "README.md").write_text("edited")
-    assert ev.done_before(args, "rl", "scripted") == {"of": "rl"}
+    assert read_back("rl") == {"of": "rl"}
     (adapter / "adapter_model.safetensors").write_bytes(b"weights of the second run")
     capsys.readouterr()
-    assert ev.done_before(args, "rl", "scripted") is None
+    assert read_back("rl") is None
     assert "its adapter changed" in capsys.readouterr().out
-    assert ev.done_before(args, "base", "scripted") == {"of": "base"}
+    assert read_back("base") == {"of": "base"}
 
 
 def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):

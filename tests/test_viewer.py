@@ -219,6 +219,7 @@ def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
         ([0.0, 1.0, 0.0, 1.0], ""), ([0.0, 1.0, 0.0, 1.0], "over --tasks cap"), ([0.0] * 4, "no variance")]
     vocab = viewer.load_vocab(rollout.DEFAULT_MODEL)
     html, n = viewer.build(str(tmp_path), vocab)
+    assert "group size 4 · reward binary" in html    # --screen 0 (off) is left out of the settings
     page, trajs = Page(html), [t for g in drawn for t in g]
     assert n == 12 == len(page.episodes) and page.scripts == []
     for ep, t in zip(page.episodes, trajs):
@@ -242,6 +243,7 @@ def test_screened_groups_are_finished_in_a_second_file_and_shown_whole(tmp_path,
     tokens = [sum(sum(t.loss_mask) for t in g) for g in drawn]
     assert m["signal_token_share"] == pytest.approx(sum(tokens[:2]) / sum(tokens)) and 0 < tokens[2]
     html, n = viewer.build(str(tmp_path), viewer.load_vocab(rollout.DEFAULT_MODEL))
+    assert "· screen 2 ·" in html                 # the run's settings name --screen when it is on
     page = Page(html)
     assert n == 10 == len(page.episodes)
     for ep, t in zip(page.episodes, [t for g in drawn for t in g]):
