@@ -1,8 +1,8 @@
-"""common.py: what the stages (sft.py, rl.py, rl_trl.py, eval.py) share, written once.
+"""common.py: what the stages (sft.py, rl.py, scripts/rl_trl.py, eval.py) share, written once.
 
   Parser, fail                            argparse with one line per bad value (exit 2)
   add_run_args, add_model_args,           the flags stages share: seed/out/smoke/preset, the model, the user,
-  add_user_args, add_episode_args,        an episode's limits, and the GRPO flags of rl.py and rl_trl.py
+  add_user_args, add_episode_args,        an episode's limits, and the GRPO flags of rl.py and scripts/rl_trl.py
   add_grpo_args
   fill_preset, CPU_LIMITS                 one preset scheme: PRESETS = {"gpu", "cpu", "smoke"} per stage
   check_args                              bad input caught before any model loads
@@ -12,17 +12,22 @@
   figure, save_figure                     matplotlib without a display, for each stage's PNG
   save_checkpoint, resume                 one checkpoint layout: the last two kept, the newest verified, and
                                           one way to resume from it (adapter, optimizer, scheduler, RNG, metrics)
-A stage imports this file, the world (worlds) and the loop (rollout); never another stage.
+A stage imports this file, the world (envs) and the loop (rollout); never another stage.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
 import sys
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+
+from kernels import masked_logprobs_chunked
 
 # The CPU presets' episode limits, shared so that RL trains on what eval measures: the easy tasks need
 # 5 agent turns and one correction after a "no" needs 2 more; 80 tokens hold the longest oracle message.
@@ -61,6 +66,9 @@ def add_model_args(p, model_default=None, sampler=True):
     if not sampler:
         return
     p.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (off by default, as in the paper)")
+    p.add_argument("--sampler", default="fast", choices=["fast", "plain"], help="fast: sampler/fast.py, many "
+                   "conversations at once; plain: sampler/plain.py's sample_turn, one conversation at a time (the "
+                   "code to read; the same tokens, slower)")
     p.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold; it decodes "
                    "in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no limit)")
 
@@ -82,7 +90,7 @@ def add_episode_args(p, tokens: bool = True):
 
 
 def add_grpo_args(p):
-    """The flags of GRPO itself, the same in rl.py and rl_trl.py (TRL's names in brackets)."""
+    """The flags of GRPO itself, the same in rl.py and scripts/rl_trl.py (TRL's names in brackets)."""
     p.add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at it), 'base' (no "
                    "cold start: a fresh LoRA, the reference the base model), or 'auto' = runs/sft/adapter if present "
                    "else base")
@@ -111,7 +119,7 @@ def add_grpo_args(p):
 
 
 def fill_preset(args, presets: dict, name: str | None = None):
-    """Every flag left at None takes the value of the stage's preset: presets[name] if given (sampler.py: its
+    """Every flag left at None takes the value of the stage's preset: presets[name] if given (sampler/fast.py: its
     tour or its bench), else presets["smoke"] with --smoke, else presets[--preset] (auto: "gpu" where CUDA is,
     else "cpu")."""
     if name is None:
@@ -128,7 +136,7 @@ def check_args(args, at_least=None, finite=None, several_users=False):
     at_least: {flag name: minimum} for ints; finite: {flag name: (low, strict)} for floats (value > low if
     strict, else >= low); several_users: --user may be a comma list (eval.py)."""
     import users
-    import worlds
+    import envs
     for name, low in (at_least or {}).items():
         v = getattr(args, name)
         if v is not None and v < low:
@@ -139,8 +147,8 @@ def check_args(args, at_least=None, finite=None, several_users=False):
             fail(f"--{name.replace('_', '-')}", f"{v} is not a finite number {'>' if strict else '>='} {low}")
     if getattr(args, "domains", None) is not None:
         for d in args.domains.split(","):
-            if d not in worlds.DOMAINS:
-                fail("--domains", f"unknown domain {d!r}; use a comma list of {', '.join(worlds.DOMAINS)}")
+            if d not in envs.DOMAINS:
+                fail("--domains", f"unknown domain {d!r}; use a comma list of {', '.join(envs.DOMAINS)}")
     if getattr(args, "tiers", None) is not None:
         for t in args.tiers.split(","):
             if t not in TIERS:
@@ -294,3 +302,171 @@ def resume(out, model, optimizer, scheduler=None) -> tuple[int, list[dict]]:
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in metrics)
     return start, metrics
+
+
+# ----------------------------------------------------------------------------- training passes
+# sft.py and rl.py train on batches of trajectories: token ids with a loss mask, most of them starting with their
+# domain's system prompt. What follows pads them into micro-batches, runs that shared prefix once a pass, and gives
+# the per-token log-probs of the tokens that were sampled (kernels.masked_logprobs_chunked under the lm_head).
+
+def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, chunk=4096,
+                      past_key_values=None):
+    """out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where loss_mask[b, t] == 1, else 0. (B, T) fp32.
+
+    model: a HF causal LM or a peft model wrapping one. LoRA is active unless called inside
+    `with model.disable_adapter():` (the reference policy). Runs the decoder body only, then the
+    chunked path with the lm_head weight, so (B, T, V) logits are never materialised.
+    Positions count real tokens (attention_mask.cumsum - 1), as HF generate does with left padding;
+    for right-padded sequences that start at position 0 they are simply 0, 1, 2, ...
+    Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
+    past_key_values: a cache of P tokens that every row continues (see prefix_run_once);
+    positions then start at P, and column 0 is still 0 (its context ends inside the cache).
+    """
+    body, lm_head = model.get_decoder(), model.get_output_embeddings()
+    if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
+        raise ValueError(f"sequence_logprobs needs a plain bias-free nn.Linear lm_head, got {type(lm_head).__name__}"
+                         " (LoRA on lm_head or a quantized lm_head is not supported)")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError("models with final_logit_softcapping are not supported by sequence_logprobs")
+    attention_mask = torch.as_tensor(attention_mask, device=input_ids.device).long()
+    loss_mask = torch.as_tensor(loss_mask, device=input_ids.device)
+    P = 0 if past_key_values is None else past_key_values.get_seq_length()
+    if P and loss_mask[:, 0].any():
+        raise ValueError("loss_mask[:, 0] must be 0 after a cached prefix: the prefix must end before the "
+                         "first trained token (see shared_prefix_len)")
+    positions = P + (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same ids the sampler used
+    full_mask = F.pad(attention_mask, (P, 0), value=1)             # the cached prefix is all real tokens
+    hidden = body(input_ids=input_ids, attention_mask=full_mask, position_ids=positions,
+                  past_key_values=past_key_values, use_cache=past_key_values is not None).last_hidden_state
+    B, T, H = hidden.shape
+    # the hidden state at t-1 predicts token t
+    mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
+    lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
+                                 mask.reshape(-1), temperature, chunk)
+    return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
+
+
+def pad_right(seqs, pad_id: int, max_len: int | None = None):
+    """seqs: (token_ids, loss_mask) pairs -> input_ids, attention_mask, loss_mask, each (B, T) long, right-padded
+    and cut at max_len. Masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which
+    the policy samples and is trained on."""
+    T = max(len(ids) for ids, _ in seqs)
+    T = min(T, max_len) if max_len else T
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (tok, m) in enumerate(seqs):
+        n = min(T, len(tok))
+        ids[i, :n] = torch.tensor(tok[:n])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(m[:n])
+    return ids, attn, mask
+
+
+class PrefixBatch(NamedTuple):
+    """Sequences that start with the same untrained prefix (a domain's system prompt), cut into micro-batches."""
+    prefix: torch.Tensor        # (P,) long: run once a pass for every row (P = 0: no sharing)
+    micro: list                 # [(input_ids, attention_mask, loss_mask)], each (b, T - P), the rest of each row
+    rows: list                  # [row indices of each micro-batch], into the sequences given
+
+
+def prefix_batches(token_ids, loss_masks, keys, micro_batch: int, pad_id: int, share: bool = True,
+                   max_len: int | None = None, device=None) -> list[PrefixBatch]:
+    """Group sequences by key (rows of one key share their prefix; keys in first-seen order, rows in the order
+    given), find the longest prefix a group shares and trains on none of (shared_prefix_len; 0 without share),
+    and pad the rest of each row into micro-batches of micro_batch rows, cut at max_len in all."""
+    by_key = {}
+    for i, k in enumerate(keys):
+        by_key.setdefault(k, []).append(i)
+    out = []
+    for idx in by_key.values():
+        P = shared_prefix_len([token_ids[i] for i in idx], [loss_masks[i] for i in idx]) if share else 0
+        P = min(P, max_len - 1) if max_len else P
+        rows = [idx[s:s + micro_batch] for s in range(0, len(idx), micro_batch)]
+        micro = [tuple(x.to(device) for x in pad_right([(token_ids[i][P:], loss_masks[i][P:]) for i in r], pad_id,
+                                                        max_len - P if max_len else None)) for r in rows]
+        out.append(PrefixBatch(torch.tensor(token_ids[idx[0]][:P], dtype=torch.long, device=device), micro, rows))
+    return out
+
+
+def split_mini_batches(batches: list[PrefixBatch], n: int) -> list[list[PrefixBatch]]:
+    """The micro-batches cut into n consecutive parts (one optimizer step each), each part's micro-batches still
+    under their prefix."""
+    flat = [(b, j) for b in batches for j in range(len(b.micro))]
+    per, parts = math.ceil(len(flat) / n), []
+    for s in range(0, len(flat), per):
+        part = {}
+        for b, j in flat[s:s + per]:
+            part.setdefault(id(b), (b, []))[1].append(j)
+        parts.append([PrefixBatch(b.prefix, [b.micro[j] for j in js], [b.rows[j] for j in js]) for b, js in part.values()])
+    return parts
+
+
+def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -> int:
+    """How many leading tokens all sequences share and none is trained on, minus one: the token after
+    the prefix starts each remainder, and its log-prob needs the prefix's last hidden state."""
+    first = min(m.index(1) if 1 in m else len(m) for m in loss_masks)
+    n = 0
+    while n < min(map(len, token_ids)) and all(x[n] == token_ids[0][n] for x in token_ids):
+        n += 1
+    return max(0, min(n, first - 1))
+
+
+def _prefix_kv(model, prefix_ids):
+    """The prefix's keys and values, per layer, from one forward of the decoder (none if it is empty)."""
+    if not len(prefix_ids):
+        return []
+    out = model.get_decoder()(input_ids=prefix_ids[None], use_cache=True)
+    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+
+def _cache(kv, rows: int):
+    """A cache of the prefix for `rows` sequences (None for an empty prefix)."""
+    from transformers import DynamicCache
+    if not kv:
+        return None
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
+    return cache
+
+
+def logprobs_with_shared_prefix(model, prefix_ids, micro_batches, temperature=1.0, chunk=4096):
+    """sequence_logprobs of micro-batches that all continue prefix_ids, the prefix run once.
+    prefix_ids (P,) long; micro_batches [(input_ids, attention_mask, loss_mask)], each (B_i, T_i). -> [logp (B_i, T_i)].
+    Meant for log-probs without grad (reference and old policies): call it under torch.no_grad()."""
+    kv = _prefix_kv(model, prefix_ids)
+    return [sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=_cache(kv, len(ids)))
+            for ids, attn, mask in micro_batches]
+
+
+def batch_logprobs(model, batches: list[PrefixBatch], temperature=1.0) -> dict:
+    """logprobs_with_shared_prefix of every micro-batch -> {tuple(its rows): logp (b, T - P)}. Under no_grad."""
+    return {tuple(rows): lp for b in batches
+            for rows, lp in zip(b.rows, logprobs_with_shared_prefix(model, b.prefix, b.micro, temperature))}
+
+
+@contextlib.contextmanager
+def prefix_run_once(model, prefix_ids):
+    """Train on micro-batches that all continue the same untrained prefix (in SFT and GRPO: a domain's ~1.8k-token
+    system prompt) while the prefix goes through the model once, not once per sequence. Exact: the same gradient
+    as one full forward/backward per sequence.
+
+        with prefix_run_once(model, prefix) as cache_for:       # 1. the prefix forward, once, with grad
+            for ids, attn, mask in micro_batches:                 # 2. each micro-batch against detached copies
+                logp = sequence_logprobs(model, ids, attn, mask,  #    of its keys/values; backward at once,
+                                         past_key_values=cache_for(len(ids)))    # which sums d loss/d (k, v)
+                loss_of(logp).backward()
+                                                                  # 3. on exit: one backward through the prefix
+
+    prefix_ids: (P,) long; P = 0 is the plain pass (cache_for gives None). loss_mask[:, 0] must be 0 after a
+    prefix (shared_prefix_len picks such a P). Needs activation checkpointing off when P > 0 (transformers
+    drops the cache inside checkpointed layers)."""
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and model.training
+    if len(prefix_ids) and checkpointed:
+        raise ValueError("prefix_run_once needs gradient checkpointing off: transformers ignores past_key_values "
+                         "in checkpointed layers")
+    kv = _prefix_kv(model, prefix_ids)                                           # in the graph
+    leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
+    yield lambda rows: _cache(leaves, rows)
+    if kv:
+        torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])

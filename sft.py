@@ -4,15 +4,15 @@ their task, and fine-tune a LoRA adapter on the agent's tokens only. The loop is
 What it does
   1. Data. An agent talks to the simulated user through rollout.run_episodes (the same loop and token
      format as RL) on train-split tasks. The agent is the world's gold agent (rollout.OracleAgent; ours
-     is oracle.py: ask for missing facts, look up, ask to confirm naming every value, act on a yes,
+     is envs/oracle.py: ask for missing facts, look up, ask to confirm naming every value, act on a yes,
      report) or any OpenAI-compatible teacher model (--teacher). Only reward == 1
      conversations are kept: <out>/data.jsonl (OpenAI format: messages + tools), <out>/tokens.jsonl
      (the exact token_ids / loss_mask we train on, never decoded and re-tokenized), data_stats.json.
   2. SFT. LoRA on all linear projections (QLoRA with --load-in-4bit). Loss = mean negative log-prob
      over loss_mask tokens (the agent's text and tool calls with their end-of-turn; system, user and
-     tool tokens count for nothing), through kernels.sequence_logprobs as in rl.py. AdamW, linear
+     tool tokens count for nothing), through common.sequence_logprobs as in rl.py. AdamW, linear
      warmup then cosine decay, gradient accumulation. A batch holds one domain, whose system prompt
-     goes through the model once per batch with an exact gradient (kernels.backward_with_shared_prefix;
+     goes through the model once per batch with an exact gradient (common.prefix_run_once;
      `python scripts/bench_sft.py` times it against the per-conversation pass). Checkpoints every
      --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
@@ -56,8 +56,7 @@ import torch
 import common
 import envs
 import rollout
-import worlds
-from kernels import backward_with_shared_prefix, prefix_batches
+from envs import ours
 
 
 # Sizes by machine: cpu is sized for ~10 minutes on 2 cores, gpu follows the paper's data size.
@@ -78,7 +77,7 @@ def parse_args(argv=None):
     common.add_run_args(p, out="runs/sft", smoke="tiny run (< 2 min on CPU) for tests")
     common.add_model_args(p, model_default=rollout.DEFAULT_MODEL, sampler=False)
     # data
-    p.add_argument("--domains", default=",".join(envs.DOMAINS), help="comma-separated domains")
+    p.add_argument("--domains", default=",".join(ours.DOMAINS), help="comma-separated domains")
     p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 20, gpu 167)")
     p.add_argument("--tiers", default=None, help="scenarios of these tiers only (preset: cpu easy, gpu all)")
     p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
@@ -121,9 +120,9 @@ def parse_args(argv=None):
     if args.teacher is None and args.user == "local":
         common.fail("--user", "local cannot answer the oracle agent's questions; use scripted (ours), oracle (τ²) "
                     "or openai:MODEL")
-    if args.user == "none" and (needs := [d for d in args.domains.split(",") if d not in worlds.NO_USER_FORM]):
+    if args.user == "none" and (needs := [d for d in args.domains.split(",") if d not in envs.NO_USER_FORM]):
         common.fail("--user", f"none: {needs[0]} has no no-user form (its tasks are written for a user who says "
-                    f"what they want); none works on {', '.join(worlds.NO_USER_FORM)}")
+                    f"what they want); none works on {', '.join(envs.NO_USER_FORM)}")
     return args
 
 
@@ -157,8 +156,8 @@ def make_data(args, tokenizer) -> list[dict]:
     agent, kept, tried, t0 = make_agent(args, tokenizer), [], Counter(), time.time()
     with open(os.path.join(args.out, "data.jsonl"), "w") as f:
         for domain in args.domains.split(","):
-            n = args.tasks_per_scenario * (len(envs.SCENARIOS[domain]) if domain in envs.SCENARIOS else 1)  # τ²: first n
-            tasks = worlds.make_tasks(domain, "train", n, args.tiers.split(","), args.seed)
+            n = args.tasks_per_scenario * (len(ours.SCENARIOS[domain]) if domain in ours.SCENARIOS else 1)  # τ²: first n
+            tasks = envs.make_tasks(domain, "train", n, args.tiers.split(","), args.seed)
             trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
                                          user=args.user, max_turns=args.max_turns, seed=args.seed,
                                          max_context=max(args.max_len, 8192),   # τ²'s prompts alone are 5-8k tokens
@@ -167,7 +166,7 @@ def make_data(args, tokenizer) -> list[dict]:
             for t in trajs:
                 tried[f"{domain}/{t.scenario}"] += 1
                 if t.reward == 1.0:      # the task's tools, as its env gives them (ACEBench's differ by task)
-                    f.write(json.dumps(openai_record(t, worlds.make_env(by_id[t.task_id]).tools)) + "\n")
+                    f.write(json.dumps(openai_record(t, envs.make_env(by_id[t.task_id]).tools)) + "\n")
                     kept.append({"task_id": t.task_id, "scenario": f"{domain}/{t.scenario}",
                                  "token_ids": t.token_ids, "loss_mask": t.loss_mask})
     per = {s: {"tried": n, "kept": sum(r["scenario"] == s for r in kept)} for s, n in sorted(tried.items())}
@@ -194,13 +193,22 @@ def make_data(args, tokenizer) -> list[dict]:
 def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
-    goes through the model once for the group (kernels.prefix_batches, backward_with_shared_prefix; exact)."""
-    batches = prefix_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
+    goes through the model once for the group (common.prefix_batches, prefix_run_once; exact)."""
+    batches = common.prefix_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
                              [domain_of(r) for r in batch], args.micro_batch_size, pad,
                              share=args.share_prefix == "on" and args.grad_checkpointing == "off",
                              max_len=args.max_len, device=model.get_input_embeddings().weight.device)
-    loss_of = lambda i, logp: -logp.sum() / max(1, n_tok)                 # noqa: E731
-    return sum(sum(backward_with_shared_prefix(model, b.prefix, b.micro, loss_of)) for b in batches)
+    total = 0.0
+    for b in batches:
+        losses = []
+        with common.prefix_run_once(model, b.prefix) as cache_for:
+            for ids, attn, mask in b.micro:
+                logp = common.sequence_logprobs(model, ids, attn, mask, past_key_values=cache_for(len(ids)))
+                loss = -logp.sum() / max(1, n_tok)
+                loss.backward()
+                losses.append(loss.item())
+        total += sum(losses)
+    return total
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:

@@ -1,4 +1,4 @@
-"""users.py: the simulated users the agent talks to, the world side of the loop (as envs.py is).
+"""users.py: the simulated users the agent talks to, the world side of the loop (as envs/ours.py is).
 
 A user gets its task (instruction, opening, hidden facts) and the agent's visible text, never the tools,
 the policy or the DB. One interface, User.first_message() / User.reply(messages), four implementations:
@@ -355,7 +355,7 @@ def ask_users(calls: list, workers: int) -> list:
 
 
 def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:
-    """worlds.make_user for our domains. spec: "scripted" | "scripted:PERSONA" | "none" | "local" | "openai:MODEL";
+    """envs.make_user for our domains. spec: "scripted" | "scripted:PERSONA" | "none" | "local" | "openai:MODEL";
     env unused."""
     if spec == "scripted":
         return ScriptedUser(task, seed)

@@ -1,6 +1,6 @@
-"""Masked per-token log-probs (Triton + PyTorch reference) and training passes that run a shared prefix
-once, with the batching they need (kernels/logprobs.py, used by sft.py and rl.py); shared-prefix decoding and LoRA merged while sampling
-(kernels/attention.py, used by sampler.ModelAgent)."""
+"""kernels/: per-token log-probs of the chosen tokens, a Triton kernel beside its PyTorch reference, and the
+chunked lm_head path that never builds the (N, V) logits (logprobs.py; common.sequence_logprobs runs it for
+sft.py and rl.py); bench.py times them against peers. Imports nothing of ours."""
 import logging
 import os
 
@@ -20,6 +20,4 @@ class _NotTheHubKernels(logging.Filter):
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotTheHubKernels())
 
-from .logprobs import (PrefixBatch, backward_with_shared_prefix, batch_logprobs, logprobs_torch,  # noqa: E402,F401
-                       logprobs_with_shared_prefix, masked_logprobs, masked_logprobs_chunked, pad_right,
-                       prefix_batches, sequence_logprobs, shared_prefix_len, split_mini_batches)
+from .logprobs import logprobs_torch, masked_logprobs, masked_logprobs_chunked  # noqa: E402,F401

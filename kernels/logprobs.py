@@ -26,14 +26,9 @@ Chunked path. `masked_logprobs_chunked(hidden, weight, ...)` takes hidden states
 lm_head weight (V, H) instead of logits. It keeps only the rows with mask 1, multiplies them by
 the weight `chunk` rows at a time, and recomputes each chunk's logits in the backward, so at most
 (chunk, V) logits (plus their gradient) exist at once and the full (N, V) logits never do.
-`sequence_logprobs(model, ...)` runs a causal LM body and then this path; sft.py and rl.py use it.
-
-Shared prefix. In a training batch every sequence starts with the same system prompt (two thirds of
-its tokens here). `backward_with_shared_prefix` runs that prefix once, with an exact gradient (the
-remainders backprop into detached copies of its keys/values, then one backward goes through the
-prefix); `logprobs_with_shared_prefix` is the no-grad version for reference/old-policy passes.
-`prefix_batches` groups a batch's sequences by prefix and pads the rest into micro-batches for them
-(`PrefixBatch`); `split_mini_batches` cuts those into optimizer steps.
+common.sequence_logprobs runs a causal LM body and then this path; sft.py and rl.py use it. The
+training passes hand it only rows with mask 1, so in training the kernel's mask is all ones; the mask
+is there for callers with logits of every position (kernels/bench.py, the tests).
 
 Special values (tested):
   - a row whose logits are all -inf except the target: out = 0, gradient 0.
@@ -43,12 +38,11 @@ Special values (tested):
     torch.log_softmax gives. If that row is masked, it is 0 like any masked row.
   - targets of masked rows are ignored (e.g. -100 is fine). Targets of unmasked rows must be in [0, V).
 
-Simplifications: no label smoothing, no logit soft-capping or lm_head bias (sequence_logprobs
+Simplifications: no label smoothing, no logit soft-capping or lm_head bias (common.sequence_logprobs
 refuses such models with a clear error); one program per row (no split-V parallelism for tiny N).
 """
 import math
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -296,174 +290,3 @@ def masked_logprobs_chunked(hidden, weight, targets, mask, temperature=1.0, chun
     lp = _ChunkedLogprobs.apply(hidden.index_select(0, rows), weight, targets.index_select(0, rows),
                                 float(temperature), int(chunk), impl)
     return torch.zeros(mask.shape[0], dtype=torch.float32, device=hidden.device).index_copy(0, rows, lp)
-
-
-def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, chunk=4096,
-                      past_key_values=None):
-    """out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where loss_mask[b, t] == 1, else 0. (B, T) fp32.
-
-    model: a HF causal LM or a peft model wrapping one. LoRA is active unless called inside
-    `with model.disable_adapter():` (the reference policy). Runs the decoder body only, then the
-    chunked path with the lm_head weight, so (B, T, V) logits are never materialised.
-    Positions count real tokens (attention_mask.cumsum - 1), as HF generate does with left padding;
-    for right-padded sequences that start at position 0 they are simply 0, 1, 2, ...
-    Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
-    past_key_values: a cache of P tokens that every row continues (see backward_with_shared_prefix);
-    positions then start at P, and column 0 is still 0 (its context ends inside the cache).
-    """
-    body, lm_head = model.get_decoder(), model.get_output_embeddings()
-    if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
-        raise ValueError(f"sequence_logprobs needs a plain bias-free nn.Linear lm_head, got {type(lm_head).__name__}"
-                         " (LoRA on lm_head or a quantized lm_head is not supported)")
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError("models with final_logit_softcapping are not supported by sequence_logprobs")
-    attention_mask = torch.as_tensor(attention_mask, device=input_ids.device).long()
-    loss_mask = torch.as_tensor(loss_mask, device=input_ids.device)
-    P = 0 if past_key_values is None else past_key_values.get_seq_length()
-    if P and loss_mask[:, 0].any():
-        raise ValueError("loss_mask[:, 0] must be 0 after a cached prefix: the prefix must end before the "
-                         "first trained token (see shared_prefix_len)")
-    positions = P + (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same ids the sampler used
-    full_mask = F.pad(attention_mask, (P, 0), value=1)             # the cached prefix is all real tokens
-    hidden = body(input_ids=input_ids, attention_mask=full_mask, position_ids=positions,
-                  past_key_values=past_key_values, use_cache=past_key_values is not None).last_hidden_state
-    B, T, H = hidden.shape
-    # the hidden state at t-1 predicts token t
-    mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
-    lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
-                                 mask.reshape(-1), temperature, chunk)
-    return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
-
-
-def pad_right(seqs, pad_id: int, max_len: int | None = None):
-    """seqs: (token_ids, loss_mask) pairs -> input_ids, attention_mask, loss_mask, each (B, T) long, right-padded
-    and cut at max_len. Masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which
-    the policy samples and is trained on."""
-    T = max(len(ids) for ids, _ in seqs)
-    T = min(T, max_len) if max_len else T
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (tok, m) in enumerate(seqs):
-        n = min(T, len(tok))
-        ids[i, :n] = torch.tensor(tok[:n])
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(m[:n])
-    return ids, attn, mask
-
-
-class PrefixBatch(NamedTuple):
-    """Sequences that start with the same untrained prefix (a domain's system prompt), cut into micro-batches."""
-    prefix: torch.Tensor        # (P,) long: run once a pass for every row (P = 0: no sharing)
-    micro: list                 # [(input_ids, attention_mask, loss_mask)], each (b, T - P), the rest of each row
-    rows: list                  # [row indices of each micro-batch], into the sequences given
-
-
-def prefix_batches(token_ids, loss_masks, keys, micro_batch: int, pad_id: int, share: bool = True,
-                   max_len: int | None = None, device=None) -> list[PrefixBatch]:
-    """Group sequences by key (rows of one key share their prefix; keys in first-seen order, rows in the order
-    given), find the longest prefix a group shares and trains on none of (shared_prefix_len; 0 without share),
-    and pad the rest of each row into micro-batches of micro_batch rows, cut at max_len in all."""
-    by_key = {}
-    for i, k in enumerate(keys):
-        by_key.setdefault(k, []).append(i)
-    out = []
-    for idx in by_key.values():
-        P = shared_prefix_len([token_ids[i] for i in idx], [loss_masks[i] for i in idx]) if share else 0
-        P = min(P, max_len - 1) if max_len else P
-        rows = [idx[s:s + micro_batch] for s in range(0, len(idx), micro_batch)]
-        micro = [tuple(x.to(device) for x in pad_right([(token_ids[i][P:], loss_masks[i][P:]) for i in r], pad_id,
-                                                        max_len - P if max_len else None)) for r in rows]
-        out.append(PrefixBatch(torch.tensor(token_ids[idx[0]][:P], dtype=torch.long, device=device), micro, rows))
-    return out
-
-
-def split_mini_batches(batches: list[PrefixBatch], n: int) -> list[list[PrefixBatch]]:
-    """The micro-batches cut into n consecutive parts (one optimizer step each), each part's micro-batches still
-    under their prefix."""
-    flat = [(b, j) for b in batches for j in range(len(b.micro))]
-    per, parts = math.ceil(len(flat) / n), []
-    for s in range(0, len(flat), per):
-        part = {}
-        for b, j in flat[s:s + per]:
-            part.setdefault(id(b), (b, []))[1].append(j)
-        parts.append([PrefixBatch(b.prefix, [b.micro[j] for j in js], [b.rows[j] for j in js]) for b, js in part.values()])
-    return parts
-
-
-def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -> int:
-    """How many leading tokens all sequences share and none is trained on, minus one: the token after
-    the prefix starts each remainder, and its log-prob needs the prefix's last hidden state."""
-    first = min(m.index(1) if 1 in m else len(m) for m in loss_masks)
-    n = 0
-    while n < min(map(len, token_ids)) and all(x[n] == token_ids[0][n] for x in token_ids):
-        n += 1
-    return max(0, min(n, first - 1))
-
-
-def _prefix_kv(model, prefix_ids):
-    """The prefix's keys and values, per layer, from one forward of the decoder (none if it is empty)."""
-    if not len(prefix_ids):
-        return []
-    out = model.get_decoder()(input_ids=prefix_ids[None], use_cache=True)
-    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-
-
-def _cache(kv, rows: int):
-    """A cache of the prefix for `rows` sequences (None for an empty prefix)."""
-    from transformers import DynamicCache
-    if not kv:
-        return None
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(kv):
-        cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
-    return cache
-
-
-def logprobs_with_shared_prefix(model, prefix_ids, micro_batches, temperature=1.0, chunk=4096):
-    """sequence_logprobs of micro-batches that all continue prefix_ids, the prefix run once.
-    prefix_ids and micro_batches as in backward_with_shared_prefix. -> [logp (B_i, T_i)].
-    Meant for log-probs without grad (reference and old policies): call it under torch.no_grad()."""
-    kv = _prefix_kv(model, prefix_ids)
-    return [sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=_cache(kv, len(ids)))
-            for ids, attn, mask in micro_batches]
-
-
-def batch_logprobs(model, batches: list[PrefixBatch], temperature=1.0) -> dict:
-    """logprobs_with_shared_prefix of every micro-batch -> {tuple(its rows): logp (b, T - P)}. Under no_grad."""
-    return {tuple(rows): lp for b in batches
-            for rows, lp in zip(b.rows, logprobs_with_shared_prefix(model, b.prefix, b.micro, temperature))}
-
-
-def backward_with_shared_prefix(model, prefix_ids, micro_batches, loss_of, temperature=1.0, chunk=4096):
-    """Backpropagate sum_i loss_of(i, logp_i) for micro-batches that all continue the same prefix
-    (in SFT and GRPO: the ~1.8k-token system prompt of a domain), running the prefix once instead of
-    once per sequence. The gradient is exact: the same as one full forward/backward per sequence.
-
-      1. the prefix goes forward once, with grad, caching its keys/values per layer;
-      2. each micro-batch goes forward against detached copies of those keys/values and is
-         backpropagated at once (its graph freed); this also sums dloss/d(prefix keys, values)
-         over the micro-batches into the copies' .grad;
-      3. one backward through the prefix with those sums.
-
-    prefix_ids: (P,) long (P may be 0). micro_batches: [(input_ids, attention_mask, loss_mask)], each
-    (B_i, T_i), right-padded, the tokens that follow the prefix. loss_mask[:, 0] must be 0 if P > 0
-    (shared_prefix_len picks such a P). loss_of(i, logp): a scalar tensor from logp (B_i, T_i), laid
-    out as sequence_logprobs returns it. Returns the loss values. P > 0 needs activation
-    checkpointing off (transformers drops the cache inside checkpointed layers); P = 0 is the plain
-    pass, one forward/backward per micro-batch.
-    """
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and model.training
-    if len(prefix_ids) and checkpointed:
-        raise ValueError("backward_with_shared_prefix needs gradient checkpointing off: "
-                         "transformers ignores past_key_values in checkpointed layers")
-    kv = _prefix_kv(model, prefix_ids)                                           # in the graph
-    leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
-    losses = []
-    for i, (ids, attn, mask) in enumerate(micro_batches):
-        logp = sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=_cache(leaves, len(ids)))
-        loss = loss_of(i, logp)
-        loss.backward()
-        losses.append(loss.item())
-    if kv:
-        torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])
-    return losses

@@ -1,7 +1,7 @@
 """SFT's training pass, timed three ways: python scripts/bench_sft.py [any sft.py flag, e.g. --load-in-4bit].
 
 One batch of 4 retail conversations (the oracle's) goes forward and backward with the system prompt run once per
-batch (sft.py's default, kernels.backward_with_shared_prefix), once per conversation, and once per conversation
+batch (sft.py's default, common.prefix_run_once), once per conversation, and once per conversation
 with activation checkpointing; the loss of each (equal: the shared prefix is exact), seconds and peak RSS.
 """
 import argparse
@@ -12,10 +12,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import envs  # noqa: E402
+from envs import ours  # noqa: E402
 import rollout  # noqa: E402
 import sft  # noqa: E402
-from kernels import shared_prefix_len  # noqa: E402
+from common import shared_prefix_len  # noqa: E402
 
 
 def bench(args):
@@ -23,7 +23,7 @@ def bench(args):
     first, so the process's peak RSS after each way is that way's peak (on CPU)."""
     import resource
     model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
-    trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, envs.make_tasks("retail", "train", 4))
+    trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, ours.make_tasks("retail", "train", 4))
     rows = [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "scenario": f"retail/{t.scenario}"} for t in trajs]
     model, n_tok = rollout.add_lora(model), sum(sum(r["loss_mask"]) for r in rows)
     model.train()

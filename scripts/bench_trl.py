@@ -1,4 +1,4 @@
-"""One GRPO step of rl.py against one of rl_trl.py (TRL's GRPOTrainer), side by side, in one run on one machine.
+"""One GRPO step of rl.py against one of scripts/rl_trl.py (TRL's GRPOTrainer), side by side, in one run on one machine.
 
 Both sides: the same model (--init base), the same train tasks (the first --tasks/2 easy train tasks of retail and of
 airline: both stages' train pools are cut to exactly those, so each draws all of them), the same group size, turn
@@ -10,7 +10,7 @@ keeps Env.reward.
 
 What each side does in its step: rl.py samples with its own sampler (KV kept between turns, the system prompt
 prefilled once) and runs the update once over the shared system prompt, with no reference pass on step 1 (the
-reference is the policy); rl_trl.py samples through TRL's transformers generate (the whole conversation fed again
+reference is the policy); scripts/rl_trl.py samples through TRL's transformers generate (the whole conversation fed again
 each turn) and TRL runs a reference pass, then the loss pass, over every full sequence.
 
 Run:  python scripts/bench_trl.py                     # 2 tasks x 4 rollouts, 3 turns, 32 tokens a turn
@@ -32,9 +32,9 @@ def child(stage: str, task_ids: list[str], real_rewards: bool, argv: list[str]):
     """In the subprocess: cut the train pools to task_ids, optionally give every group variance, run STAGE.main."""
     sys.path.insert(0, ROOT)
     import rollout
-    import worlds
-    make_tasks = worlds.make_tasks
-    worlds.make_tasks = lambda domain, split, n, tiers=None, seed=0: [
+    import envs
+    make_tasks = envs.make_tasks
+    envs.make_tasks = lambda domain, split, n, tiers=None, seed=0: [
         t for t in make_tasks(domain, split, n, tiers, seed) if split != "train" or t.id in task_ids]
     if not real_rewards:
         run_episodes = rollout.run_episodes
@@ -80,8 +80,8 @@ def run(stage, task_ids, args, argv):
 def task_ids(tasks: int) -> list[str]:
     """The first tasks/2 easy train tasks of retail and of airline."""
     sys.path.insert(0, ROOT)
-    import worlds
-    return [t.id for d in ("retail", "airline") for t in worlds.make_tasks(d, "train", 1000, ["easy"])[:tasks // 2]]
+    import envs
+    return [t.id for d in ("retail", "airline") for t in envs.make_tasks(d, "train", 1000, ["easy"])[:tasks // 2]]
 
 
 def stage_argv(stage: str, args, out: str) -> list[str]:
@@ -93,7 +93,7 @@ def stage_argv(stage: str, args, out: str) -> list[str]:
               "--micro-batch", str(args.micro_batch), "--temperature", "1.0", "--lr", "1e-4",
               "--grad-checkpointing", "off"] + (["--model", args.model] if args.model else [])
     own = ["--draw", str(args.tasks), "--max-draws", "1", "--eval-every", "0", "--train-bf16", "off"] if stage == "rl" \
-        else ["--vllm", "off"]             # rl_trl.py's GPU preset colocates vLLM: both sides generate on their own
+        else ["--vllm", "off"]             # scripts/rl_trl.py's GPU preset colocates vLLM: both sides generate on their own
     return shared + own + ["--out", out]
 
 
@@ -140,7 +140,7 @@ def main():
         rows[stage] = step_row(stage, os.path.join(out, stage), args, wall, rss)
     print(f"\n{'':>12} {'wall s':>8} {'step s':>8} {'rollout s':>10} {'update s':>9} {'sampled':>8} "
           f"{'tok/s':>7} {'peak RSS GiB':>13} {'rows trained':>13}")
-    for name, r in (("rl.py", rows["rl"]), ("rl_trl.py", rows["rl_trl"])):
+    for name, r in (("rl.py", rows["rl"]), ("scripts/rl_trl.py", rows["rl_trl"])):
         print(f"{name:>12} {r['wall']:8.1f} {r['step']:8.1f} {r['rollout']:10.1f} {r['update']:9.1f} {r['tokens']:8d} "
               f"{r['tok_s']:7.2f} {r['rss']:13.2f} {r['trained']:13d}")
     a, b = rows["rl_trl"], rows["rl"]

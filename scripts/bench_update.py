@@ -102,7 +102,7 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
     after)."""
     import resource
     from types import SimpleNamespace
-    from kernels.attention import kv_bytes_per_token
+    from sampler.attention import kv_bytes_per_token
     config = config or qwen3_shapes()
     model = nf4_lora_model(config, device) if model is None else model
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

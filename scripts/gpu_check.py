@@ -18,7 +18,7 @@ short keeps what finished; --parts reruns some. At the end, one table of them al
            (scripts/bench_update.py's memory check)
   sampler  sampler.ModelAgent on that model: sampled tokens/s at 8, 32 and 64 rows that continue one 1.8k-token
            system prompt, decoded in the waves kernels.attention.plan_waves makes within --kv-budget
-  stages   one rl.py step and one rl_trl.py step (transformers generate) on a small random Qwen3 in NF4 with
+  stages   one rl.py step and one scripts/rl_trl.py step (transformers generate) on a small random Qwen3 in NF4 with
            the scripted user, each in its own process (scripts/bench_trl.py: rollout t of a group scores
            t % 2, so every group has reward variance and both sides update)
 Exit status: 0 when every correctness check passed; 1 when one failed or a part raised; 2 on bad input (no
@@ -250,7 +250,7 @@ def update_rows(part):
 # ----------------------------------------------------------------------------- sampler
 
 def part_sampler(args, ctx, part):
-    from kernels.attention import kv_bytes_per_token
+    from sampler.attention import kv_bytes_per_token
     from sampler import ModelAgent
     cuda = not args.cpu
     if ctx.model is None:                           # --parts without update

@@ -14,11 +14,11 @@
 #   bitsandbytes   NF4 weights; its wheel carries a library for every CUDA and ROCm release (129 MB unpacked):
 #                  repacked with the CUDA 13.0 one (the machine's torch is cu130) and the CPU one (the rehearsal)
 #   peft           there, at a version nobody recorded: ours is the one the rehearsal passed with
-#   trl            rl_trl.py and TRL's selective_log_softmax; it needs datasets, and datasets dill and multiprocess
+#   trl            scripts/rl_trl.py and TRL's selective_log_softmax; it needs datasets, and datasets dill and multiprocess
 #   tokenizer/     SmolLM2's byte-level BPE with Qwen3's special tokens and chat template (tests/tiny_qwen3.py):
 #                  no Qwen3 tokenizer exists here, and the bundled GGUF it comes from is 100 MB
 # Not carried, as the check never imports them: openai (the scripted user needs no server), gguf (the tokenizer
-# travels as files), vllm (not on that machine: rl_trl.py generates with transformers).
+# travels as files), vllm (not on that machine: scripts/rl_trl.py generates with transformers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=${1:-.gpu_kit}

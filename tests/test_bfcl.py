@@ -1,13 +1,13 @@
-"""BFCL-v3 multi-turn as a world (bfcl_domains.py): BFCL's checker scores its ground truth 1 and corruptions 0,
+"""BFCL-v3 multi-turn as a world (envs/bfcl_domains.py): BFCL's checker scores its ground truth 1 and corruptions 0,
 calls become BFCL's python strings safely, and the gold agent passes all four categories through run_episodes
 (BFCL's questions as the user, miss_func's held-back functions arriving in their turn); a silent agent and one
 that loops past BFCL's step limit score 0."""
 import pytest
 
-import bfcl_domains as bfcl
+from envs import bfcl_domains as bfcl
 import eval as ev
 import rollout
-import worlds
+import envs
 
 N = 5
 
@@ -19,7 +19,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def base():
-    return worlds.make_tasks("bfcl-base", "test", N)
+    return envs.make_tasks("bfcl-base", "test", N)
 
 
 def test_checker_scores_the_ground_truth_1_and_corruptions_0(base):
@@ -33,7 +33,7 @@ def test_checker_scores_the_ground_truth_1_and_corruptions_0(base):
     wrong = [[c.replace("'temp'", "'tmp'") for c in base[0].truth[0]]] + base[0].truth[1:]
     assert wrong != base[0].truth and not bfcl.score(base[0].entry, as_steps(wrong), base[0].truth)["valid"]
     with pytest.raises(SystemExit, match="evaluation only"):
-        worlds.make_tasks("bfcl-base", "train", 1)
+        envs.make_tasks("bfcl-base", "train", 1)
 
 
 def test_calls_become_bfcl_python_strings_and_unsafe_names_are_refused():
@@ -61,7 +61,7 @@ def test_env_records_each_call_per_turn_on_bfcls_file_system(base):
 
 
 def test_gold_agent_passes_all_four_categories_through_run_episodes(tok):
-    tasks = [t for d in bfcl.DOMAINS for t in worlds.make_tasks(d, "test", 2)]
+    tasks = [t for d in bfcl.DOMAINS for t in envs.make_tasks(d, "test", 2)]
     trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, max_turns=80, max_context=10**6,
                                  progress=False)
     print({t.task_id: (t.reward, t.turns) for t in trajs})
@@ -72,7 +72,7 @@ def test_gold_agent_passes_all_four_categories_through_run_episodes(tok):
     traj = next(t for t in trajs if t.task_id == miss_func.id)
     query = [m["content"] for m in traj.messages if m["role"] == "user"][int(turn)]
     assert all(f'"name": "{f["name"]}"' in query for f in held)          # they arrive in their turn's message
-    assert [] in worlds.make_tasks("bfcl-miss-param", "test", 1)[0].truth   # a turn to answer, not to call
+    assert [] in envs.make_tasks("bfcl-miss-param", "test", 1)[0].truth   # a turn to answer, not to call
 
 
 class SilentAgent(rollout.TextAgent):

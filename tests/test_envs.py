@@ -1,4 +1,4 @@
-"""envs.py: gold replays score 1, doing nothing scores 0, one wrong argument scores 0 with a diff
+"""envs/ours.py: gold replays score 1, doing nothing scores 0, one wrong argument scores 0 with a diff
 naming the field, Envs share no state, malformed calls never raise or change the DB, and the
 train/test splits are disjoint. Runs in ~20 s on 2 CPU cores."""
 import json
@@ -6,17 +6,17 @@ import random
 
 import pytest
 
-import envs
+from envs import ours
 import users
-from envs import Env
+from envs.ours import Env
 
 PER_SCENARIO = 3                                     # tasks per scenario and domain in the replay tests
-TASKS = [t for d in envs.DOMAINS for t in envs.make_tasks(d, "train", PER_SCENARIO * len(envs.SCENARIOS[d]))]
+TASKS = [t for d in ours.DOMAINS for t in ours.make_tasks(d, "train", PER_SCENARIO * len(ours.SCENARIOS[d]))]
 ONE_EACH = {(t.domain, t.scenario): t for t in TASKS}.values()
 
 
 def gold_writes(task):
-    return [a for a in task.gold_actions if a.name in envs.WRITE_TOOLS[task.domain]]
+    return [a for a in task.gold_actions if a.name in ours.WRITE_TOOLS[task.domain]]
 
 
 def replay(task, actions):
@@ -44,7 +44,7 @@ def test_a_solved_episode_cut_off_at_the_cap_scores_zero(task):
     """τ²'s rule: the gold writes made and the outputs said still score 0 if the conversation did not end
     itself (the turn cap, the context limit, an error); the user's stop, the agent's or a transfer ends it."""
     env, said = replay(task, task.gold_actions), [f"Done: {', '.join(task.required_outputs)}."]
-    for stop in envs.ENDED:
+    for stop in ours.ENDED:
         assert env.reward(said, stop_reason=stop) == 1.0 and env.diff() == ""
     for stop in ("max_turns", "context_limit", "error"):
         assert env.reward(said, stop_reason=stop) == 0.0
@@ -70,18 +70,18 @@ def _another(table, pred):
 
 def wrong_run(task):
     """Replay the gold actions with one argument wrong; return (env, what the agent said, field the diff must name)."""
-    db, actions = envs.load_db(task.domain, task.split), [envs.Action(a.name, dict(a.arguments)) for a in task.gold_actions]
-    writes = [a for a in actions if a.name in envs.WRITE_TOOLS[task.domain]]
+    db, actions = ours.load_db(task.domain, task.split), [ours.Action(a.name, dict(a.arguments)) for a in task.gold_actions]
+    writes = [a for a in actions if a.name in ours.WRITE_TOOLS[task.domain]]
     said = [" ".join(task.required_outputs)]
     if not writes:                                   # lookup / refusal: look at (or act on) the wrong record
         lookup = actions[-1]
         if task.domain == "airline":                 # wrong reservation, which can be cancelled: the agent does
             rid = _another(db["reservations"], lambda r: r["status"] == "active" and r["insurance"])
-            return replay(task, actions + [envs.act("cancel_reservation", reservation_id=rid)]), said, "status"
+            return replay(task, actions + [ours.act("cancel_reservation", reservation_id=rid)]), said, "status"
         own = db["users"][db["orders"][lookup.arguments["order_id"]]["user_id"]]["orders"]
         oid = next(o for o in own if db["orders"][o]["status"] == "pending")
         if task.scenario.startswith("refuse"):       # wrong order, which is pending: the agent cancels it
-            actions.append(envs.act("cancel_pending_order", order_id=oid, reason="no longer needed"))
+            actions.append(ours.act("cancel_pending_order", order_id=oid, reason="no longer needed"))
             return replay(task, actions), said, "status"
         lookup.arguments["order_id"] = oid           # info: reports the wrong order's status and total
         o = db["orders"][oid]
@@ -89,7 +89,7 @@ def wrong_run(task):
             "missing required output"
     w, args = writes[-1], writes[-1].arguments
     if w.name == "cancel_pending_order":
-        args["reason"], field = next(r for r in envs.REASONS if r != args["reason"]), "cancel_reason"
+        args["reason"], field = next(r for r in ours.REASONS if r != args["reason"]), "cancel_reason"
     elif w.name == "modify_pending_order_address":
         args["zip"], field = "00001", "address.zip"
     elif w.name == "modify_pending_order_payment":
@@ -115,7 +115,7 @@ def wrong_run(task):
         field = "status"
     elif w.name == "update_reservation_flights":
         res, dates = db["reservations"][args["reservation_id"]], db["flights"][args["flight_number"]]["dates"]
-        args["date"] = next(d for d in envs.DATES if d not in (res["date"], args["date"])
+        args["date"] = next(d for d in ours.DATES if d not in (res["date"], args["date"])
                             and dates[d]["seats"][res["cabin"]] >= len(res["passengers"]))
         field = "date"
     elif w.name == "book_reservation":
@@ -135,7 +135,7 @@ def test_one_wrong_argument_scores_zero_and_diff_names_the_field(task):
 
 def test_shaped_reward_gives_partial_credit():
     task = next(t for t in TASKS if t.scenario == "move_and_cancel")
-    first_write = next(i for i, a in enumerate(task.gold_actions) if a.name in envs.WRITE_TOOLS["retail"])
+    first_write = next(i for i, a in enumerate(task.gold_actions) if a.name in ours.WRITE_TOOLS["retail"])
     env = replay(task, task.gold_actions[:first_write + 1])
     assert env.reward([]) == 0.0
     shaped = Env(task, shaped=True)
@@ -148,14 +148,14 @@ def test_shaped_reward_gives_partial_credit():
 def test_envs_share_no_state():
     task = next(t for t in TASKS if t.scenario == "book_flight")
     a, b = Env(task), Env(task)
-    fresh = envs.load_db(task.domain, task.split)
+    fresh = ours.load_db(task.domain, task.split)
     write = gold_writes(task)[0]                                # book_reservation: passengers is a list
     args = json.loads(json.dumps(write.arguments))
     assert not a.step(write.name, args).startswith("Error")
     args["passengers"][0]["first_name"] = "MUTATED"           # the caller's objects never reach the DB
     assert "MUTATED" not in json.dumps(a.db)
     assert b.db == fresh and a.db != fresh and b.writes == [] and len(a.writes) == 1
-    assert envs.load_db(task.domain, task.split) == fresh     # nor does the shared DB text change
+    assert ours.load_db(task.domain, task.split) == fresh     # nor does the shared DB text change
     assert a.gold_db() is not b.gold_db() and a.gold_db() == b.gold_db()
 
 
@@ -164,9 +164,9 @@ JUNK = [None, 3.5, -1, 10**9, True, [], {}, "", "x" * 5000, [[[[]]]], {"a": {"b"
 
 def malformed_calls(domain, rng, n):
     """n tool calls that must all be refused: junk names and arguments, broken gold calls, policy breaks."""
-    tasks = envs.make_tasks(domain, "train", 60, seed=0)
+    tasks = ours.make_tasks(domain, "train", 60, seed=0)
     base = [a for t in tasks for a in t.gold_actions]
-    db = envs.load_db(domain, "train")
+    db = ours.load_db(domain, "train")
     calls = []
     while len(calls) < n:
         a = rng.choice(base)
@@ -238,12 +238,12 @@ def policy_breaks(db, domain, rng):
             ("send_certificate", {"user_id": r["user_id"], "amount": 0})]
 
 
-@pytest.mark.parametrize("domain", envs.DOMAINS)
+@pytest.mark.parametrize("domain", ours.DOMAINS)
 def test_fuzzed_malformed_calls_raise_nothing_and_change_nothing(domain):
     rng = random.Random(1234)
     calls = malformed_calls(domain, rng, 700)
-    env = Env(envs.make_tasks(domain, "train", 1)[0])
-    fresh = envs.load_db(domain, "train")
+    env = Env(ours.make_tasks(domain, "train", 1)[0])
+    fresh = ours.load_db(domain, "train")
     crashes = 0
     for name, args in calls:
         try:
@@ -254,34 +254,34 @@ def test_fuzzed_malformed_calls_raise_nothing_and_change_nothing(domain):
         benign = name == "search_direct_flight" and obs.startswith("No direct flights")
         assert isinstance(obs, str) and (obs.startswith("Error:") or benign), (name, args, obs[:200])
     assert crashes == 0
-    assert env.db == fresh and env.writes == [] and envs.db_hash(env.db) == envs.db_hash(fresh)
+    assert env.db == fresh and env.writes == [] and ours.db_hash(env.db) == ours.db_hash(fresh)
     print(f"{domain}: {len(calls)} malformed calls, {crashes} crashes, DB unchanged")
 
 
 def test_every_single_fuzzed_write_leaves_the_db_unchanged():
     """Per call (not just at the end): a refused write must not leave a partial change behind."""
-    for domain in envs.DOMAINS:
-        rng, env = random.Random(99), Env(envs.make_tasks(domain, "train", 1)[0])
-        fresh = envs.load_db(domain, "train")
+    for domain in ours.DOMAINS:
+        rng, env = random.Random(99), Env(ours.make_tasks(domain, "train", 1)[0])
+        fresh = ours.load_db(domain, "train")
         for name, args in malformed_calls(domain, rng, 150):
-            if name in envs.WRITE_TOOLS[domain]:
+            if name in ours.WRITE_TOOLS[domain]:
                 env.step(name, args)
                 assert env.db == fresh, (name, args)
 
 
 def test_splits_are_disjoint_and_deterministic():
-    for domain in envs.DOMAINS:
-        train, test = envs.load_db(domain, "train"), envs.load_db(domain, "test")
+    for domain in ours.DOMAINS:
+        train, test = ours.load_db(domain, "train"), ours.load_db(domain, "test")
         for table in ("users", "orders", "reservations"):
             assert not set(train.get(table, {})) & set(test.get(table, {}))
         assert not {u["email"] for u in train["users"].values()} & {u["email"] for u in test["users"].values()}
         for split, db in (("train", train), ("test", test)):
-            for t in envs.make_tasks(domain, split, 50):
+            for t in ours.make_tasks(domain, split, 50):
                 ids = {v for a in t.gold_actions for k, v in a.arguments.items()
                        if k in ("user_id", "order_id", "reservation_id")}
                 assert all(i in db["users"] or i in db.get("orders", {}) or i in db.get("reservations", {}) for i in ids)
-        a, b = envs.make_tasks(domain, "test", 30, seed=3), envs.make_tasks(domain, "test", 60, seed=3)
-        assert a == b[:30] and a != envs.make_tasks(domain, "test", 30, seed=4)
+        a, b = ours.make_tasks(domain, "test", 30, seed=3), ours.make_tasks(domain, "test", 60, seed=3)
+        assert a == b[:30] and a != ours.make_tasks(domain, "test", 30, seed=4)
 
 
 def test_task_fields_fit_the_user_simulators():
@@ -300,16 +300,16 @@ def test_task_fields_fit_the_user_simulators():
         ids = [v for k, v in t.hidden_facts.items() if k in ("order_id", "reservation_id", "email", "user_id")]
         if t.tier != "easy":                             # the agent has to ask for identifiers
             assert not all(i in t.opening for i in ids), t.opening
-    many = envs.make_tasks("retail", "train", 3000)
+    many = ours.make_tasks("retail", "train", 3000)
     assert len({json.dumps([a.arguments for a in t.gold_actions]) for t in many}) > 1500
 
 
 def test_policy_is_compact_and_tools_are_valid_schemas():
-    for domain in envs.DOMAINS:
-        assert 150 <= len(envs.POLICIES[domain].split()) <= 280
-        names = [s["function"]["name"] for s in envs.tool_schemas(domain)]
-        assert len(names) == len(set(names)) and envs.WRITE_TOOLS[domain] <= set(names)
-        for s in envs.tool_schemas(domain):
+    for domain in ours.DOMAINS:
+        assert 150 <= len(ours.POLICIES[domain].split()) <= 280
+        names = [s["function"]["name"] for s in ours.tool_schemas(domain)]
+        assert len(names) == len(set(names)) and ours.WRITE_TOOLS[domain] <= set(names)
+        for s in ours.tool_schemas(domain):
             params = s["function"]["parameters"]
             assert s["type"] == "function" and params["type"] == "object"
             assert set(params["required"]) == set(params["properties"])

@@ -98,8 +98,8 @@ class SilentAgent(rollout.TextAgent):
 
 @pytest.fixture(scope="module")
 def tasks():
-    import envs
-    return [t for d in envs.DOMAINS for t in envs.make_tasks(d, "test", 2)]
+    from envs import ours
+    return [t for d in ours.DOMAINS for t in ours.make_tasks(d, "test", 2)]
 
 
 def test_oracle_agent_passes_every_held_out_task(tasks, tok):
@@ -108,8 +108,8 @@ def test_oracle_agent_passes_every_held_out_task(tasks, tok):
     assert r["overall"]["pass^k"] == {1: 1.0, 2: 1.0} and r["overall"]["n_tasks"] == 4
     assert set(r["per_domain"]) == {"retail", "airline"} and r["failures"] == [] and r["rechecked"] == 0
     assert sum(s["n_tasks"] for s in r["per_scenario"].values()) == 4
-    import envs                                                  # every write the oracle makes, it confirms first
-    n_write = 2 * sum(any(a.name in envs.WRITE_TOOLS[t.domain] for a in t.gold_actions) for t in tasks)
+    from envs import ours                                                  # every write the oracle makes, it confirms first
+    n_write = 2 * sum(any(a.name in ours.WRITE_TOOLS[t.domain] for a in t.gold_actions) for t in tasks)
     b = r["behaviour"]["all"]
     assert n_write and b["asked_first"] == {"mean": 1.0, "n": n_write}
     assert {m: b[m]["mean"] for m in ("pass1", "correct_state", "finished")} == dict.fromkeys(("pass1", "correct_state", "finished"), 1.0)
@@ -177,16 +177,16 @@ def test_facts_asked_counts_the_withheld_facts_the_agent_asked_for():
     """cancel_trip's opening names no id: of user_id, reservation_id and reason, the agent asked for two (the
     words the scripted user listens for); a tool call's arguments are not asking. Given in the opening (or with
     no user, every fact up front), nothing is withheld and the metric does not apply."""
-    import envs
+    from envs import ours
     import users
-    task = next(t for t in envs.make_tasks("airline", "test", 8) if t.scenario == "cancel_trip")
+    task = next(t for t in ours.make_tasks("airline", "test", 8) if t.scenario == "cancel_trip")
     ask = lambda *said, opening=task.opening: ev.facts_asked(task, SimpleNamespace(messages=[   # noqa: E731
         {"role": "user", "content": opening}] + [{"role": "assistant", "content": x} for x in said]))
     assert ask("What is your user id?", '<tool_call>{"reason": "x"}</tool_call>', "And the reservation id?") == \
         pytest.approx(2 / 3)
     assert ask("Sure, one moment.") == 0.0 and ask("Why? Your reservation id and user id, please.") == 1.0
     assert ask("Hello.", opening=users.NoUser(task).first_message()) is None
-    retail = next(t for t in envs.make_tasks("retail", "test", 2) if t.scenario == "cancel_order")
+    retail = next(t for t in ours.make_tasks("retail", "test", 2) if t.scenario == "cancel_order")
     assert ev.facts_asked(retail, SimpleNamespace(messages=[{"role": "user", "content": retail.opening}])) is None
 
 
@@ -230,10 +230,10 @@ def test_failures_keep_db_diffs_and_rescued_ones_are_flagged(tasks, tok):
     r = ev.evaluate(FlakyAgent(tok, 2), tok, tasks, trials=2, max_turns=12, recheck=3, progress=False, n_boot=50)
     assert r["overall"]["pass^k"] == {1: 0.0, 2: 0.0}
     assert len(r["failures"]) == 8 and r["rechecked"] == 3 and r["user_sim_suspects"] == 3
-    import envs
+    from envs import ours
     by_id = {t.id: t for t in tasks}
     writes = [f for f in r["failures"]
-              if any(a.name in envs.WRITE_TOOLS[f["domain"]] for a in by_id[f["task_id"]].gold_actions)]
+              if any(a.name in ours.WRITE_TOOLS[f["domain"]] for a in by_id[f["task_id"]].gold_actions)]
     assert writes and all(f["diff"] for f in writes)             # the gold write never happened: a diff says so
     flagged = [f for f in r["failures"] if f["user_sim_suspect"]]
     assert len(flagged) == 6 and all(f["rechecked"] for f in flagged)   # 3 tasks x 2 failed trials

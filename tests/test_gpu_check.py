@@ -42,11 +42,11 @@ def test_a_package_the_kit_carries_missing_is_named_with_the_kit_script(capsys, 
 
 
 def test_the_stages_flags_parse_as_they_would_on_a_gpu_without_vllm(monkeypatch):
-    """A GPU picks the stages' GPU presets, whose rl_trl.py colocates vLLM, which the GPU test machine lacks: the
+    """A GPU picks the stages' GPU presets, whose scripts/rl_trl.py colocates vLLM, which the GPU test machine lacks: the
     flags the check passes each stage must parse there too (the CPU rehearsal never takes that preset)."""
     from types import SimpleNamespace
     import rl
-    import rl_trl
+    from scripts import rl_trl
     from scripts import bench_trl
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     find_spec = importlib.util.find_spec

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from kernels import (backward_with_shared_prefix, logprobs_torch, masked_logprobs, masked_logprobs_chunked,
-                     sequence_logprobs)
+from common import prefix_run_once, sequence_logprobs
+from kernels import logprobs_torch, masked_logprobs, masked_logprobs_chunked
 from kernels.logprobs import HAVE_TRITON
 
 IMPLS = ["triton", "torch"] if HAVE_TRITON else ["torch"]
@@ -319,7 +319,18 @@ def test_sequence_logprobs_lora_and_reference_policy(tiny_llama):
         peft_model.unload()  # leave the shared fixture model as it was
 
 
-def test_backward_with_shared_prefix_gives_the_full_gradient(tiny_llama):
+def backward_with_prefix_once(model, prefix, micro_batches, n_tok) -> list[float]:
+    """rl.py's and sft.py's pass: the prefix once (common.prefix_run_once), each micro-batch's loss backpropagated."""
+    losses = []
+    with prefix_run_once(model, prefix) as cache_for:
+        for ids, attn, mask in micro_batches:
+            loss = -sequence_logprobs(model, ids, attn, mask, past_key_values=cache_for(len(ids))).sum() / n_tok
+            loss.backward()
+            losses.append(loss.item())
+    return losses
+
+
+def test_the_prefix_run_once_gives_the_full_gradient(tiny_llama):
     """Prefix once + suffixes against its detached keys/values + one prefix backward == a full
     forward/backward per sequence: same losses, same LoRA gradients (incl. through the prefix)."""
     from peft import LoraConfig, get_peft_model
@@ -351,13 +362,13 @@ def test_backward_with_shared_prefix_gives_the_full_gradient(tiny_llama):
             n = lengths[j] - P
             ids[b, :n], attn[b, :n], m[b, :n] = rows[j][P:], 1, masks[j][P:]
         batches.append((ids, attn, m))
-        got = backward_with_shared_prefix(peft_model, prefix, batches, lambda i, lp: -lp.sum() / n_tok)
+        got = backward_with_prefix_once(peft_model, prefix, batches, n_tok)
         assert abs(sum(got) - want) < 1e-5, (got, want)
         for k, (g, w) in enumerate(zip([p.grad for p in params], want_grads)):
             assert_close(f"LoRA grad {k}", g, w, 1e-4)
         assert max(w.abs().max() for w in want_grads) > 1e-3          # gradients are not trivially zero
         with pytest.raises(ValueError, match="loss_mask"):           # a trained first token is refused
-            backward_with_shared_prefix(peft_model, prefix, [(ids, attn, torch.ones_like(m))], lambda i, lp: lp.sum())
+            backward_with_prefix_once(peft_model, prefix, [(ids, attn, torch.ones_like(m))], n_tok)
     finally:
         peft_model.unload()
 
@@ -407,7 +418,7 @@ def test_packed_prefill_attention_equals_attention_over_each_whole_row(heads, kv
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kernels.attention import Packed, packed_prefill_attention
+    from sampler.attention import Packed, packed_prefill_attention
     torch.manual_seed(0)
     P, D, g = 7, 8, heads // kv_heads
     module = SimpleNamespace(layer_idx=0, is_causal=True, num_key_value_groups=g, training=False)

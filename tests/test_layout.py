@@ -1,34 +1,73 @@
-"""The house rules a reader relies on: imports run one way (world <- loop <- stages), with no circle even
-through an import inside a function; the world side never imports a benchmark module or the model side; the
-stages never import each other; no file outgrows a sitting; and bitsandbytes' probe of our kernels/ package
-logs no false error, while a real one still prints (a whole run's log: tests/test_rl.py's smoke test)."""
+"""The house rules a reader relies on: the top level is the design card's; imports run one way (world <- loop <-
+stages <- scripts), with no circle even through an import inside a function; the world side never imports a benchmark
+module or the model side; the stages never import each other and nothing imports scripts/; kernels/ imports nothing
+of ours; no file outgrows a sitting; and bitsandbytes' probe of our kernels/ package logs no false error, while a real
+one still prints (a whole run's log: tests/test_rl.py's smoke test)."""
 import ast
 import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = sorted(p[:-3] for p in os.listdir(ROOT) if p.endswith(".py")) + ["kernels", "scripts"]
-STAGES = {"sft", "rl", "rl_trl", "eval"}
-WORLD_SIDE = {"databases", "envs", "users", "oracle"}        # ours; a benchmark module sits between it and worlds
+TOP = {   # every visible top-level entry, and what it holds
+    "README.md": "the user's page", "requirements.txt": "every version pinned",
+    "sft.py": "stage: cold start", "rl.py": "stage: GRPO", "eval.py": "stage: evaluation",
+    "rollout.py": "the loop: run_episodes, chat format, model loading", "users.py": "the simulated users",
+    "common.py": "what the stages share: flags, presets, checkpoints, training passes",
+    "sampler": "the policy as a sampler: plain.py to read, fast.py the same tokens faster",
+    "envs": "the worlds: the table, ours (procedural), the benchmark adapters",
+    "kernels": "kernels and their benchmark", "scripts": "scale-out, viewer, stage benchmarks, the GPU check",
+    "docs": "results and reference pages", "tests": "pytest",
+}
+PACKAGES = ("envs", "sampler", "kernels")
+MODULES = sorted([p[:-3] for p in os.listdir(ROOT) if p.endswith(".py")] + ["scripts"] +
+                 [d if f == "__init__.py" else f"{d}.{f[:-3]}" for d in PACKAGES
+                  for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")])
+STAGES = {"sft", "rl", "eval"}                 # scripts/rl_trl.py, the scale-out stage, lives with the scripts
+WORLD_SIDE = {"envs.databases", "envs.ours", "users", "envs.oracle"}   # ours; a benchmark module sits between it
+                                                                     # and the table (envs/__init__.py)
+
+
+def files_of(name: str) -> list[str]:
+    if name == "scripts":
+        return [os.path.join(ROOT, "scripts", f) for f in os.listdir(os.path.join(ROOT, "scripts")) if f.endswith(".py")]
+    path = os.path.join(ROOT, *name.split("."))
+    return [os.path.join(path, "__init__.py")] if os.path.isdir(path) else [path + ".py"]
+
+
+def ours(dotted: str) -> str | None:
+    """The module of ours that an imported name lives in (the longest match), or None."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in MODULES:
+            return ".".join(parts[:k])
+    return None
 
 
 def imports_of(name: str) -> set:
-    """Our modules that `name` imports anywhere in its source, inside functions included, plus (for worlds.py)
-    the modules its table names, which it imports by name."""
-    path = os.path.join(ROOT, name if name in ("kernels", "scripts") else f"{name}.py")
-    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py")] if os.path.isdir(path) else [path]
+    """Our modules that `name` imports anywhere in its source, inside functions included (`from envs import ours`
+    counts as envs.ours, not as the package), plus, for the table of worlds (envs/__init__.py), the modules it
+    names and imports by name."""
     names = set()
-    for f in files:
-        tree = ast.parse(open(f).read())
-        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
-    if name == "worlds":
-        import worlds
-        names |= {m for _, *modules in worlds.WORLDS.values() for m in modules}
-    return {n.split(".")[0] for n in names} & set(MODULES) - {name}
+    for f in files_of(name):
+        package = name if f.endswith("__init__.py") else name.rpartition(".")[0]
+        for n in ast.walk(ast.parse(open(f).read())):
+            if isinstance(n, ast.Import):
+                names |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom):
+                base = package if n.level else n.module
+                base = f"{base}.{n.module}" if n.level and n.module else base
+                names |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in n.names}
+    if name == "envs":
+        import envs
+        names |= {m for _, *modules in envs.WORLDS.values() for m in modules}
+    return {m for m in map(ours, names) if m} - {name}
+
+
+def test_the_top_level_is_the_design_cards():
+    visible = {p for p in os.listdir(ROOT) if not p.startswith(".") and p not in ("__pycache__", "runs")}
+    assert visible == set(TOP), (sorted(visible - set(TOP)), sorted(set(TOP) - visible))
+    assert len(TOP) <= 14
 
 
 def test_no_module_imports_another_in_a_circle_lazy_imports_included():
@@ -49,14 +88,20 @@ def test_no_module_imports_another_in_a_circle_lazy_imports_included():
 
 
 def test_the_world_side_imports_no_benchmark_and_nothing_of_the_model_side():
-    import worlds
-    benchmarks = {m for _, *modules in worlds.WORLDS.values() for m in modules} - WORLD_SIDE
+    import envs
+    benchmarks = {m for _, *modules in envs.WORLDS.values() for m in modules} - WORLD_SIDE
+    assert benchmarks == {"envs.tau2_domains", "envs.acebench_domains", "envs.bfcl_domains"}
     for m in WORLD_SIDE:
         assert imports_of(m) <= WORLD_SIDE, (m, imports_of(m))
-    for m in benchmarks & set(MODULES):       # a benchmark module uses the world side, never the model side
+    for m in benchmarks:                      # a benchmark module uses the world side, never the model side
         assert imports_of(m) <= WORLD_SIDE, (m, imports_of(m))
-    assert imports_of("worlds") - benchmarks <= WORLD_SIDE
-    assert imports_of("rollout") == {"users", "worlds"}
+    assert imports_of("envs") - benchmarks <= WORLD_SIDE
+    assert imports_of("rollout") == {"users", "envs"}
+
+
+def test_the_plain_sampler_reads_alone():
+    """sampler/plain.py, the sampler the README points to, needs nothing of the fast one."""
+    assert imports_of("sampler.plain") == {"rollout"}
 
 
 def test_stages_do_not_import_each_other_and_nothing_imports_a_stage_or_a_script():
@@ -66,15 +111,16 @@ def test_stages_do_not_import_each_other_and_nothing_imports_a_stage_or_a_script
 
 
 def test_kernels_holds_kernels_and_their_own_benchmark_only():
-    """Benchmarks of whole stages live in scripts/: kernels/ imports nothing of the loop or the stages."""
-    assert imports_of("kernels") == set(), imports_of("kernels")
+    """Benchmarks of whole stages live in scripts/: kernels/ imports nothing of ours outside kernels/."""
+    for m in [m for m in MODULES if m.split(".")[0] == "kernels"]:
+        assert {n.split(".")[0] for n in imports_of(m)} <= {"kernels"}, (m, imports_of(m))
 
 
 def test_no_file_is_over_700_lines():
-    for path in [p for p in os.listdir(ROOT) if p.endswith(".py")] + [f"{d}/{p}" for d in ("kernels", "scripts")
-                                                                       for p in os.listdir(os.path.join(ROOT, d)) if p.endswith(".py")]:
-        n = sum(1 for _ in open(os.path.join(ROOT, path)))
-        assert n <= 700, f"{path} has {n} lines"
+    for m in MODULES:
+        for f in files_of(m):
+            n = sum(1 for _ in open(f))
+            assert n <= 700, f"{f} has {n} lines"
 
 
 PROBE = """

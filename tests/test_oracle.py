@@ -1,4 +1,4 @@
-"""Our world's gold agent (oracle.py): it solves every scenario through the real loop and scripted user, with only
+"""Our world's gold agent (envs/oracle.py): it solves every scenario through the real loop and scripted user, with only
 its own tokens trained, and its confirmations say back what the user asked for; it solves them too with a persona no
 training uses, and with no user at all, asking and confirming nothing (sft.py --user none's cold start)."""
 import json
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-import envs
-import oracle
+from envs import ours
+from envs import oracle
 import rollout
 import users
 
@@ -18,8 +18,8 @@ def test_oracle_solves_tasks_of_every_scenario(user):
         assert any(w in oracle.QUESTIONS.get(key, words[0]) for w in words), key
     tok = rollout.load_tokenizer()
     agent = rollout.OracleAgent(tok)
-    for domain in envs.DOMAINS:
-        tasks = envs.make_tasks(domain, "train", 3 * len(envs.SCENARIOS[domain]), seed=5)   # 3 per scenario
+    for domain in ours.DOMAINS:
+        tasks = ours.make_tasks(domain, "train", 3 * len(ours.SCENARIOS[domain]), seed=5)   # 3 per scenario
         trajs = rollout.run_episodes(agent, tok, tasks, user=user, seed=0, progress=False)
         bad = [(t.task_id, t.scenario, t.stop_reason, t.diff[:200]) for t in trajs if t.reward != 1.0]
         print(domain, f"{len(trajs) - len(bad)}/{len(trajs)} solved")
@@ -32,7 +32,7 @@ def test_bag_confirmation_says_the_request_back_before_the_sum():
     """add_bags: the oracle's confirmation repeats the user's own words "add K more checked bag(s) to
     reservation R" and then the sum to the new total; other writes name only the call."""
     seen = set()
-    for t in envs.make_tasks("airline", "train", 60, seed=1):
+    for t in ours.make_tasks("airline", "train", 60, seed=1):
         write = t.gold_actions[-1]
         text = oracle.confirmation(t, write)
         if t.scenario != "add_bags":
@@ -50,8 +50,8 @@ def test_with_no_user_the_oracle_asks_nothing_confirms_nothing_and_its_report_en
     """users.NoUser gives the whole task up front and any agent text ends the episode: the oracle's turns are the
     gold calls, then one report, which the env scores 1 (agent_stop is an ending, not a cut)."""
     tok = rollout.load_tokenizer()
-    for domain in envs.DOMAINS:
-        tasks = envs.make_tasks(domain, "train", 2 * len(envs.SCENARIOS[domain]), seed=3)
+    for domain in ours.DOMAINS:
+        tasks = ours.make_tasks(domain, "train", 2 * len(ours.SCENARIOS[domain]), seed=3)
         for task, t in zip(tasks, rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user="none", progress=False)):
             said = [m for m in t.messages if m["role"] == "assistant"]
             assert (t.reward, t.stop_reason, t.turns) == (1.0, "agent_stop", len(task.gold_actions) + 1), task.scenario
@@ -59,7 +59,7 @@ def test_with_no_user_the_oracle_asks_nothing_confirms_nothing_and_its_report_en
                                                               for a in task.gold_actions]
             assert not said[-1]["tool_calls"] and not users.asks_confirmation(said[-1]["content"])
             for m, a in zip(said, task.gold_actions):     # a write's turn says its plan, as a confirmation would
-                if a.name in envs.WRITE_TOOLS[domain]:
+                if a.name in ours.WRITE_TOOLS[domain]:
                     assert m["content"].startswith(f"I will {oracle.plan(task, a)}.\n<tool_call>"), m["content"]
                     assert oracle.confirmation(task, a) == f"Please confirm: {oracle.plan(task, a)}. Yes or no?"
 
@@ -80,7 +80,7 @@ def test_the_curious_persona_withholds_ids_answers_one_fact_and_asks_back():
     """scripted:curious, which no training uses: its opening names the request without the ids an easy opening
     gives, it reveals one asked fact at a time (the last asked), and meets the first request to confirm with a
     question; asked again, it decides by ScriptedUser's rule, then waits for the report."""
-    task = next(t for t in envs.make_tasks("retail", "test", 8) if t.scenario == "cancel_order")
+    task = next(t for t in ours.make_tasks("retail", "test", 8) if t.scenario == "cancel_order")
     u = users.make_user("scripted:curious", task, seed=2)
     first = u.first_message()
     assert isinstance(u, users.CuriousUser) and "cancel" in first

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-import envs
+from envs import ours
 import rollout
-from kernels import sequence_logprobs
+from common import sequence_logprobs
 from rollout import ChatFormat, run_episodes
 from sampler import ModelAgent
 from test_rollout import ScriptAgent
@@ -36,7 +36,7 @@ def tok(qwen3_dir):
 
 
 def cancel_task():
-    return next(t for t in envs.make_tasks("retail", "train", 14) if t.scenario == "cancel_order")
+    return next(t for t in ours.make_tasks("retail", "train", 14) if t.scenario == "cancel_order")
 
 
 def qwen3_turn(role: str, content: str) -> str:
@@ -51,7 +51,7 @@ def test_tokenizer_has_qwen3_tokens_and_its_template_renders_tools_and_the_think
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")  # pad != eos, unlike SmolLM2
     fmt = ChatFormat(tok)
     assert fmt.native and fmt.end_of_turn == "<|im_end|>"
-    env = envs.Env(cancel_task())
+    env = ours.Env(cancel_task())
     text = tok.decode(fmt.prompt_ids(env.policy, "Hi", env.tools))
     assert text.startswith("<|im_start|>system\n" + env.policy + "\n\n# Tools\n")
     assert text.count('{"type": "function", "function": {"name": ') == len(env.tools)   # the template's rendering
@@ -71,18 +71,18 @@ def test_history_is_never_rerendered_although_the_template_rewrites_earlier_turn
     find = {"name": "find_user_id_by_email", "arguments": {"email": task.hidden_facts["email"]}}
     script = ["Sure. What is your email?", f"<tool_call>\n{json.dumps(find)}\n</tool_call>", "Which order id is it?"]
     t = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=3, progress=False)[0]
-    env = envs.Env(task)
+    env = ours.Env(task)
     assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "user", "assistant", "tool", "assistant", "user"]
     expected = tok.decode(ChatFormat(tok).prompt_ids(env.policy, t.messages[1]["content"], env.tools))
     for m, nxt in zip(t.messages[2::2], t.messages[3::2]):        # assistant turn, then the user/tool turn after it
         expected += m["content"] + "<|im_end|>" + qwen3_turn(nxt["role"], nxt["content"])
-    ours = tok.decode(t.token_ids)
-    print(ours[-700:])
-    assert ours == expected and ours.count(EMPTY_THINK) == 4      # one per assistant header
+    text = tok.decode(t.token_ids)
+    print(text[-700:])
+    assert text == expected and text.count(EMPTY_THINK) == 4      # one per assistant header
     msgs = [{"role": "system", "content": env.policy}] + [{"role": m["role"], "content": m["content"]} for m in t.messages[1:]]
     rerendered = tok.apply_chat_template(msgs, tools=env.tools, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False)
-    assert rerendered == ours.replace(EMPTY_THINK, "", 3)        # the earlier three think blocks are gone
+    assert rerendered == text.replace(EMPTY_THINK, "", 3)        # the earlier three think blocks are gone
     tool_call_id = tok.convert_tokens_to_ids("<tool_call>")
     trained = [i for i, m in zip(t.token_ids, t.loss_mask) if m]
     assert tool_call_id in trained and tok.convert_tokens_to_ids("<tool_response>") in t.token_ids
@@ -95,7 +95,7 @@ def test_sampled_logprobs_equal_training_logprobs_in_4bit(qwen3_dir, tok):
     model, tok = rollout.load_model(qwen3_dir, load_in_4bit=True)
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8 and isinstance(model.lm_head, torch.nn.Linear)
-    tasks = [t for t in envs.make_tasks("retail", "train", 14)][:2]
+    tasks = [t for t in ours.make_tasks("retail", "train", 14)][:2]
     torch.manual_seed(0)
     trajs = run_episodes(ModelAgent(model, tok, temperature=1.0, max_new_tokens=5), tok, tasks, group_size=2,
                          max_turns=3, progress=False)
@@ -133,7 +133,7 @@ def test_sft_rl_eval_run_on_tiny_qwen3_in_4bit_with_checkpointing(qwen3_dir, tmp
     import eval as ev
     import rl
     import sft
-    from kernels.attention import kv_bytes_per_token
+    from sampler.attention import kv_bytes_per_token
     loaded, load = [], rollout.load_model
     monkeypatch.setattr(rollout, "load_model", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
     waves, act = [], ModelAgent.act
@@ -152,7 +152,7 @@ def test_sft_rl_eval_run_on_tiny_qwen3_in_4bit_with_checkpointing(qwen3_dir, tmp
             t.reward = float(t.token_ids[t.loss_mask.index(1)] % 2)
         return trajs
     monkeypatch.setattr(rollout, "run_episodes", run_and_score)
-    env, tok = envs.Env(cancel_task()), loaded[0][1]
+    env, tok = ours.Env(cancel_task()), loaded[0][1]
     P = len(ChatFormat(tok).prompt_ids(env.policy, "", env.tools))           # about the prefix the rows share
     budget = (2 * P + 300) * kv_bytes_per_token(loaded[0][0].config, torch.float32)   # once rows grow: < 4 a wave
     metrics = rl.main(["--smoke", "--init", str(tmp_path / "sft" / "adapter"), "--out", str(tmp_path / "rl"),

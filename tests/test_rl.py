@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rl as rl_module
-from kernels import pad_right, prefix_batches, split_mini_batches
+from common import pad_right, prefix_batches, split_mini_batches
 from rl import group_advantages, grpo_loss, grpo_update, has_signal, reference_policy
 
 
@@ -179,7 +179,7 @@ ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2,
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
-    from kernels import sequence_logprobs
+    from common import sequence_logprobs
     model = tiny_lora_model()                           # fresh LoRA: B = 0, so policy == reference
     trajs = fake_trajs()
     ids, attn, mask = batch_trajectories(trajs, pad_id=2)
@@ -205,7 +205,7 @@ def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
     """The sign of the whole path (advantages -> loss -> shared-prefix backward -> optimizer): after one
     small SGD step, sum_i adv_i * log p(rollout i) goes up, i.e. the rewarded rollouts of each group
     gain on the unrewarded ones. The rollouts share their prompt, so the shared-prefix pass is used."""
-    from kernels import sequence_logprobs
+    from common import sequence_logprobs
     model = tiny_lora_model()
     for n, p in model.named_parameters():              # non-zero B: A gets gradient too
         if "lora_B" in n:
@@ -252,7 +252,7 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     trajs = fake_trajs()
     ids, attn, mask = batch_trajectories(trajs, pad_id=2)
     with torch.no_grad():
-        from kernels import sequence_logprobs
+        from common import sequence_logprobs
         pol = sequence_logprobs(model, ids, attn, mask)
         with model.disable_adapter():
             off = sequence_logprobs(model, ids, attn, mask)
@@ -301,7 +301,7 @@ def test_bf16_autocast_update_follows_the_fp32_one():
     """--train-bf16 on: the body's matmuls run in bf16 (weights and LoRA fp32), the log-probs come from an
     fp32 head. The update differs from fp32's (the autocast really ran) but points the same way, and the
     log-probs stay fp32 and within bf16 rounding of the fp32 ones."""
-    from kernels import sequence_logprobs
+    from common import sequence_logprobs
     trajs, adv = fake_trajs(), torch.tensor([1.0, -1.0, 0.5, -0.5])
     updates = {}
     for bf16 in ("off", "on"):
@@ -327,7 +327,7 @@ def test_bf16_autocast_update_follows_the_fp32_one():
 def test_masked_tokens_get_zero_gradient_through_the_model():
     """Prompt/user positions and right padding: changing what sits after a sequence's end
     (pads) changes neither loss nor gradient, and d loss / d logp is exactly 0 where mask == 0."""
-    from kernels import sequence_logprobs
+    from common import sequence_logprobs
     model = tiny_lora_model()
     for p in model.parameters():                         # make LoRA B non-zero so gradients reach A too
         if p.requires_grad:

@@ -1,4 +1,4 @@
-"""rl_trl.py: TRL's GRPOTrainer driving our world through rollout_func, on a tiny random Qwen3 (tests/tiny_qwen3.py)
+"""scripts/rl_trl.py: TRL's GRPOTrainer driving our world through rollout_func, on a tiny random Qwen3 (tests/tiny_qwen3.py)
 with real retail and airline envs and the scripted user.
 
 What is checked: the ids and masks TRL trains on are the Trajectory's, token for token, and the reward is Env.reward;
@@ -19,9 +19,9 @@ import torch
 
 pytest.importorskip("trl")
 
-import rl_trl     # noqa: E402
+from scripts import rl_trl     # noqa: E402
 import rollout    # noqa: E402
-import worlds     # noqa: E402
+import envs     # noqa: E402
 from tiny_qwen3 import save_tiny_qwen3   # noqa: E402
 from users import visible_text           # noqa: E402
 
@@ -89,7 +89,7 @@ def test_trl_trains_on_the_trajectory_ids_and_masks_token_for_token(one_step):
         prompt, completion = out["prompt_ids"][i], out["completion_ids"][i]
         assert prompt + completion == t.token_ids
         assert out["env_mask"][i] == t.loss_mask[len(prompt):] and not any(t.loss_mask[:len(prompt)])
-        env = worlds.make_env(next(x for x in worlds.make_tasks(t.domain, "train", 1, ["easy"]) if x.id == t.task_id))
+        env = envs.make_env(next(x for x in envs.make_tasks(t.domain, "train", 1, ["easy"]) if x.id == t.task_id))
         fmt = rollout.ChatFormat(trainer.processing_class)     # the prompt = system prompt + the first user message
         assert prompt == fmt.prompt_ids(env.policy, t.messages[1]["content"], env.tools)
         # TRL's batch: left-padded prompts, right-padded completions; what it trains is completion_mask * tool_mask
@@ -108,7 +108,7 @@ def test_the_reward_trl_sees_is_env_reward(one_step):
     trajs = seen["trajs"]
     assert list(trainer._logs["rewards"]["env_reward"])[-len(trajs):] == [t.reward for t in trajs]
     for t in trajs:       # replay the episode's tool calls (first of a turn) on a fresh Env: the same reward
-        env = worlds.make_env(next(x for x in worlds.make_tasks(t.domain, "train", 1, ["easy"]) if x.id == t.task_id))
+        env = envs.make_env(next(x for x in envs.make_tasks(t.domain, "train", 1, ["easy"]) if x.id == t.task_id))
         said = [m for m in t.messages if m["role"] == "assistant"]
         for m in said:
             if m["tool_calls"]:

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-import envs
+from envs import ours
 import rollout
 import users
 from rollout import ChatFormat, TextAgent, parse_tool_calls, run_episodes
@@ -19,7 +19,7 @@ from users import STOP, NoUser, ScriptedUser, make_user
 
 def tasks_by_scenario(domain, n=14):
     seen = {}
-    for t in envs.make_tasks(domain, "train", n):
+    for t in ours.make_tasks(domain, "train", n):
         seen.setdefault(t.scenario, t)
     return list(seen.values())
 
@@ -94,14 +94,14 @@ def test_native_template_deltas_match_the_tokenizer_template(tok):
                 else fmt.delta_ids(m["role"], m["content"]))
     assert qtok.decode(ids) == qtok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert qtok.decode(ids) == ChatFormat(tok).render(msgs) + "<|im_start|>assistant\n"   # same format as ours
-    tools = envs.tool_schemas("retail")[:2]
+    tools = ours.tool_schemas("retail")[:2]
     with_tools = qtok.decode(fmt.prompt_ids("Policy.", "Hi", tools))
     assert "# Tools: " + ",".join(t["function"]["name"] for t in tools) in with_tools       # template's own rendering
     assert tok.decode(ChatFormat(tok).prompt_ids("Policy.", "Hi", tools)).count('{"type": "function"') == 2   # ours
 
 
 def test_system_prompt_lists_every_tool(tok):
-    env = envs.Env(envs.make_tasks("retail", "train", 1)[0])
+    env = ours.Env(ours.make_tasks("retail", "train", 1)[0])
     sp = rollout.system_prompt(env.policy, env.tools)
     inside = sp.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
     assert [json.loads(line)["function"]["name"] for line in inside] == [t["function"]["name"] for t in env.tools]
@@ -144,7 +144,7 @@ def test_scripted_user_reveals_only_what_is_asked_and_yes_needs_the_reason():
     waits for the report and only then stops."""
     task = next(t for t in tasks_by_scenario("retail") if t.scenario == "cancel_order")
     oid, reason = task.confirm_terms[0]["order_id"], task.confirm_terms[0]["reason"]
-    wrong = next(r for r in envs.REASONS if r != reason)
+    wrong = next(r for r in ours.REASONS if r != reason)
     u = ScriptedUser(task, seed=3)
     assert task.opening in u.first_message()
     r = u.reply(say("Could you give me your email?"))
@@ -256,7 +256,7 @@ def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
 def test_plan_waves_by_hand():
     """4 rows of 10/50/30/20 own tokens after a 100-token prefix, room 5. One wave with copies kept costs
     2 x 100 + 50 + 2 x 4 x 55 = 690; without copies a wave led by the 50-token row costs 250 + 55 b."""
-    from kernels.attention import plan_waves
+    from sampler.attention import plan_waves
     own = [10, 50, 30, 20]
     assert plan_waves(own, 100, 5, None) == ([[0, 1, 2, 3]], True)
     assert plan_waves(own, 100, 5, 690) == ([[0, 1, 2, 3]], True)
@@ -268,9 +268,9 @@ def test_plan_waves_by_hand():
 def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
     """Greedy decoding in waves that fit a small KV budget gives exactly the conversations one big batch
     gives; a round that needs several waves keeps no row's keys/values for the next, only the shared prefix."""
-    from kernels.attention import kv_bytes_per_token
-    tasks = envs.make_tasks("retail", "train", 4)
-    env = envs.Env(tasks[0])
+    from sampler.attention import kv_bytes_per_token
+    tasks = ours.make_tasks("retail", "train", 4)
+    env = ours.Env(tasks[0])
     P = len(ChatFormat(tok).prompt_ids(env.policy, "", env.tools))             # about the prefix rows share
     runs = {}
     for name, budget in (("one batch", None), ("waves", (2 * P + 400) * kv_bytes_per_token(tiny.config, torch.float32))):
@@ -309,7 +309,7 @@ def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok,
         if "lora_B" in n:
             torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tasks, runs = envs.make_tasks("retail", "train", 2), {}
+    tasks, runs = ours.make_tasks("retail", "train", 2), {}
     for merge in (False, True):
         agent, seen = ModelAgent(model, tok, temperature=0.0, max_new_tokens=8, merge_lora=merge), []
         prefill = agent._prefill_wave
@@ -334,14 +334,14 @@ def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok,
 def test_two_system_prompts_decode_together_as_each_would_alone(tok, tiny):
     """Retail and airline rows in one batch: each group attends its own shared system prompt (prefilled once
     per group), decoding steps are shared, and every conversation equals the one its domain gives alone."""
-    tasks = {d: envs.make_tasks(d, "train", 2) for d in envs.DOMAINS}
+    tasks = {d: ours.make_tasks(d, "train", 2) for d in ours.DOMAINS}
     agent = ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8)
     prefill = []
     hook = tiny.model.register_forward_pre_hook(lambda m, a, kw: prefill.append(kw["input_ids"].shape), with_kwargs=True)
     mixed = run_episodes(agent, tok, tasks["retail"] + tasks["airline"], group_size=2, max_turns=3, progress=False)
     hook.remove()
     prompts = sorted(shape[1] for shape in prefill if shape[0] == 1 and shape[1] > 500)   # the two system prompts
-    alone = [t for d in envs.DOMAINS for t in run_episodes(ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8),
+    alone = [t for d in ours.DOMAINS for t in run_episodes(ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8),
                                                            tok, tasks[d], group_size=2, max_turns=3, progress=False)]
     assert len(prompts) == 2                                                   # once each, in the first round
     for a, b in zip(mixed, alone):
@@ -397,7 +397,7 @@ def test_malformed_outputs_become_error_observations(tok):
     t = trajs[0]
     tool_obs = [m["content"] for m in t.messages if m["role"] == "tool"]
     assert len(tool_obs) == 5 and all(o.startswith("Error") for o in tool_obs[:4])
-    assert tool_obs[4] == envs.Env(task).step("find_user_id_by_email", {"email": task.hidden_facts["email"]})
+    assert tool_obs[4] == ours.Env(task).step("find_user_id_by_email", {"email": task.hidden_facts["email"]})
     s = t.stats
     assert (s["malformed_calls"], s["tool_errors"], s["tool_calls"], s["extra_calls_ignored"]) == (2, 2, 3, 1)
     assert t.stop_reason == "max_turns" and t.turns == 6 and t.reward == 0.0
@@ -411,7 +411,7 @@ def oracle_script(task):
         script.append("Could you tell me your " + ", ".join(users.FACT_KEYWORDS[k][0] for k in task.hidden_facts) + "?")
     writes = iter(task.confirm_terms)
     for a in task.gold_actions:
-        if a.name in envs.WRITE_TOOLS[task.domain]:
+        if a.name in ours.WRITE_TOOLS[task.domain]:
             terms = [t if isinstance(t, str) else t[0] for t in next(writes).values()]
             script.append(f"I will run {a.name} for {' '.join(terms)}. Shall I proceed?")
         script.append(f'<tool_call>\n{json.dumps({"name": a.name, "arguments": a.arguments})}\n</tool_call>')
@@ -419,7 +419,7 @@ def oracle_script(task):
     return script
 
 
-@pytest.mark.parametrize("domain", envs.DOMAINS)
+@pytest.mark.parametrize("domain", ours.DOMAINS)
 def test_oracle_script_gets_reward_one_with_scripted_user(tok, domain):
     """End to end with the real env: an agent that asks, confirms and acts like the gold trajectory
     is rewarded 1.0 and the scripted user ends the episode (or the agent transfers)."""
@@ -462,7 +462,7 @@ def test_print_one_trajectory_token_by_token(tok):
 def test_user_seeds_pair_episodes_across_batches(tok):
     """A (task, trial) meets the same simulated user whatever else is in the batch, so two agents evaluated
     in different batches are compared on the same users (eval.paired_difference relies on it)."""
-    tasks = [t for t in envs.make_tasks("retail", "test", 14) if t.confirm_terms][:6]
+    tasks = [t for t in ours.make_tasks("retail", "test", 14) if t.confirm_terms][:6]
     together = run_episodes(ScriptAgent(tok, ["Hi, what is the reason?"] * 2), tok, tasks, group_size=2,
                             max_turns=2, seed=5, progress=False)
     alone = [tr for t in reversed(tasks) for tr in run_episodes(ScriptAgent(tok, ["Hi, what is the reason?"] * 2),

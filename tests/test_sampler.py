@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import envs
+from envs import ours
 from rollout import run_episodes
 from sampler import ModelAgent, PlainAgent, sample_turn
 
@@ -30,7 +30,7 @@ def tiny_lora(tiny):
 
 
 def tasks():
-    return [t for d in envs.DOMAINS for t in envs.make_tasks(d, "train", 2)]
+    return [t for d in ours.DOMAINS for t in ours.make_tasks(d, "train", 2)]
 
 
 def test_sample_turn_greedy_is_argmax_of_a_full_forward(tiny, tok):
@@ -48,7 +48,7 @@ def test_sample_turn_greedy_is_argmax_of_a_full_forward(tiny, tok):
 def test_fast_sampler_equals_the_plain_one_greedy(tiny_lora, tok, waves):
     """Token for token, message for message: the plain reference and the optimised sampler, greedy, on the same
     tasks and users over up to 3 agent turns; with waves, a KV budget of a few rows' worth forces them."""
-    from kernels.attention import kv_bytes_per_token
+    from sampler.attention import kv_bytes_per_token
     kv_budget = 5000 * kv_bytes_per_token(tiny_lora.config, torch.float32) if waves else None
     runs = {}
     for name, agent in (("plain", PlainAgent(tiny_lora, tok, temperature=0.0, max_new_tokens=8)),
@@ -98,13 +98,13 @@ def test_sampled_logprobs_equal_a_teacher_forced_recomputation(tiny_lora, tok, m
 
 
 def test_the_bench_profile_accounts_for_the_seconds_and_leaves_nothing_behind(tiny_lora, tok):
-    """sampler.Profile (what `python sampler.py --bench` prints): its timers nest (no part is negative, so nothing
+    """sampler.Profile (what `python -m sampler.fast --bench` prints): its timers nest (no part is negative, so nothing
     is counted twice: a forward is prefill or decode, never both), the decode parts are not empty, the profiled run
     samples the same tokens as an unprofiled one, and afterwards the model, nn.Linear and the attention registry are
     as they were."""
     from transformers import AttentionInterface
 
-    from kernels.attention import shared_prefix_attention
+    from sampler.attention import shared_prefix_attention
     from sampler import Profile
     linear, runs = torch.nn.Linear.forward, {}
     for profiled in (False, True):

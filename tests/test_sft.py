@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import envs
-import kernels
+import common
 import rollout
 import sft
+from envs import ours
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +140,7 @@ def test_shared_prefix_training_equals_plain_training(tmp_path):
     print("losses on", runs["on"][0], "off", runs["off"][0])
     assert runs["on"][0] == pytest.approx(runs["off"][0], rel=1e-5, abs=1e-7)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(runs["on"][1], runs["off"][1]))
-    assert kernels.shared_prefix_len([r["token_ids"] for r in rows], [r["loss_mask"] for r in rows]) == 4   # it was shared
+    assert common.shared_prefix_len([r["token_ids"] for r in rows], [r["loss_mask"] for r in rows]) == 4   # it was shared
 
 
 def test_resume_continues_with_identical_state(tmp_path):
@@ -202,7 +202,7 @@ def test_teacher_path_talks_openai_chat_and_drops_failures(monkeypatch, tmp_path
     stats = json.load(open(tmp_path / "data_stats.json"))
     assert stats["agent"] == "fake-model" and stats["kept"] == 0
     tiers = args.tiers.split(",")                 # the preset's tiers: each scenario of those, tasks_per_scenario times
-    n_scenarios = len({t.scenario for t in envs.make_tasks("airline", "train", 50) if t.tier in tiers})
+    n_scenarios = len({t.scenario for t in ours.make_tasks("airline", "train", 50) if t.tier in tiers})
     assert stats["tried"] == args.tasks_per_scenario * n_scenarios
     assert seen and seen[0][0]["role"] == "system" and "<tools>" in seen[0][0]["content"]
     assert {m["role"] for msgs in seen for m in msgs} <= {"system", "user", "assistant"}

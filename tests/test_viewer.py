@@ -1,4 +1,4 @@
-"""viewer.py: the page parsed back holds exactly each trajectory's tokens (count, mask, the log-prob of each sampled
+"""scripts/viewer.py: the page parsed back holds exactly each trajectory's tokens (count, mask, the log-prob of each sampled
 token on its own token), the advantages and filtered groups as rl.py recorded them, and escapes what a model wrote.
 Slow: rl.py --smoke and eval.py --smoke, then their pages opened in headless Chromium (no console error, not blank)."""
 import json
@@ -21,8 +21,8 @@ import torch
 import eval as ev
 import rl
 import rollout
-import viewer
-import worlds
+from scripts import viewer
+import envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "<script>alert(1)</script>"
@@ -201,7 +201,7 @@ def sample_step(out, tok, tasks: int, screen: int):
                            user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(out),
                            screen=screen)
     json.dump(vars(args), open(out / "args.json", "w"))
-    pools = {"airline": worlds.make_tasks("airline", "train", 40, ["easy"], 0)}
+    pools = {"airline": envs.make_tasks("airline", "train", 40, ["easy"], 0)}
     drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
     adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
     m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
@@ -277,7 +277,7 @@ def test_eval_page_pairs_the_episodes_where_agents_differ(tmp_path):
 
 
 def test_a_dir_that_is_no_run_is_one_line_and_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "viewer.py", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "scripts/viewer.py", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "neither an rl.py run" in r.stderr
 
@@ -318,11 +318,11 @@ def open_in_chromium(page):
 
 
 def stage(cmd, out):
-    """python <stage> --smoke --out OUT, then python viewer.py OUT -> the page."""
+    """python <stage> --smoke --out OUT, then python scripts/viewer.py OUT -> the page."""
     r = subprocess.run([sys.executable, *cmd, "--smoke", "--out", str(out)], cwd=REPO, capture_output=True,
                        text=True, timeout=3600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    v = subprocess.run([sys.executable, "viewer.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    v = subprocess.run([sys.executable, "scripts/viewer.py", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert v.returncode == 0 and "view.html: " in v.stdout, v.stderr[-3000:]
     return str(out / "view.html")
 
@@ -330,7 +330,7 @@ def stage(cmd, out):
 @pytest.mark.slow
 @needs_chromium
 def test_smoke_runs_pages_open_in_chromium(tmp_path):
-    """As on a fresh clone: python rl.py --smoke and python eval.py --smoke, then python viewer.py on each."""
+    """As on a fresh clone: python rl.py --smoke and python eval.py --smoke, then python scripts/viewer.py on each."""
     rl_page = stage(["rl.py", "--init", "base"], tmp_path / "rl")
     eval_page = stage(["eval.py", "--agents", "base"], tmp_path / "eval")
     assert len(Page(open(rl_page).read()).episodes) == 4      # 2 steps x 1 task x 2 rollouts
@@ -372,7 +372,7 @@ def test_a_64_rollout_step_and_a_96_episode_eval_open_in_under_2_s(tmp_path, tok
     opens in less than 2 s on one free core, and the count does not grow when other jobs share the machine, as the
     wall time does (both are printed)."""
     fmt, rng = rollout.ChatFormat(tok), random.Random(0)
-    env = worlds.make_env(worlds.make_tasks("airline", "test", 40, ["easy"], 0)[0])
+    env = envs.make_env(envs.make_tasks("airline", "test", 40, ["easy"], 0)[0])
     prompt = fmt.prompt_ids(env.policy, "Hi, I want to add bags to my reservation.", env.tools)
     trajs = [long_episode(fmt, prompt, rng, f"airline-train-{g}", g, k) for g in range(8) for k in range(8)]
     groups = [trajs[g * 8:(g + 1) * 8] for g in range(8)]

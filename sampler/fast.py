@@ -1,22 +1,19 @@
-"""sampler.py: the policy as a sampler, token ids in, token ids and their log-probs out.
+"""sampler/fast.py: the same tokens as sampler/plain.py, faster. The default sampler of rl.py and eval.py.
 
-Read sample_turn first: the whole idea in a dozen lines, an HF forward pass with a KV cache, one token at a
-time, each sampled from softmax(logits / T) (T = 0: greedy) with its log-prob kept for the GRPO ratio.
-PlainAgent runs it for each waiting conversation, one after another. ModelAgent is the same sampler made
-fast for many conversations at once, and tested equal to sample_turn (tests/test_sampler.py): greedy turns
-token for token, and sampled log-probs equal to a teacher-forced recomputation. What it adds:
+ModelAgent advances many conversations at once and is tested equal to plain.sample_turn (tests/test_sampler.py):
+greedy turns token for token, and sampled log-probs equal to a teacher-forced recomputation. What it adds:
   - every conversation's keys/values are kept between rounds, so a round prefills only the new turn, and on
     CPU all rows' new turns go through one forward packed end to end, with no padding;
   - the prefix all conversations share (the system prompt) is prefilled once, stored once and attended
-    once for all rows (kernels/attention.py);
+    once for all rows (sampler/attention.py);
   - rows decode together in waves that fit a KV budget, so 256 rollouts fit one GPU;
   - on CPU the LoRA delta is merged into the weights while sampling (one matmul per projection).
 
 Run
-  python sampler.py                 # a few episodes with the default model and the scripted user, printed
-  python sampler.py --bench         # tok/s of ModelAgent vs PlainAgent at rl.py's CPU rollouts, in the same run,
+  python -m sampler.fast            # a few episodes with the default model and the scripted user, printed
+  python -m sampler.fast --bench    # tok/s of ModelAgent vs PlainAgent at rl.py's CPU rollouts, in the same run,
                                     # against a matmul roofline, and where ModelAgent's seconds go
-  python sampler.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
+  python -m sampler.fast --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
 """
 import contextlib
 import time
@@ -25,12 +22,13 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import common
-import worlds
-from kernels.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
+import envs
+from sampler.plain import PlainAgent
+from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
                                prefill_new_turns, prefill_padded, shared_prefix_attention, token_slice,
                                weight_major_linear)
 from rollout import DEFAULT_MODEL, ChatFormat, load_adapter, load_model, run_episodes
@@ -40,44 +38,6 @@ from rollout import DEFAULT_MODEL, ChatFormat, load_adapter, load_model, run_epi
 PRESETS = {"tour": dict(domain="retail", group_size=1, max_turns=6, max_new_tokens=128, max_context=8192,
                         temperature=1.0),
            "bench": dict(domain="airline", tiers="easy", group_size=8, **common.CPU_LIMITS, temperature=0.7)}
-
-
-# ----------------------------------------------------------------------------- the plain sampler
-
-@torch.no_grad()
-def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, end_id: int, generator=None):
-    """One agent turn: feed the conversation so far, then sample one token at a time until end_id or
-    max_new_tokens. -> (new token ids, the log-prob of each under softmax(logits / T))."""
-    cache = DynamicCache()
-    x = torch.tensor([ids], device=model.device)                    # (1, n): the whole prompt, once
-    new, logprobs = [], []
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=x, past_key_values=cache).logits[0, -1].float()   # (V,) for the last position
-        logp = torch.log_softmax(logits / (temperature or 1.0), -1)
-        tok = logits.argmax() if temperature == 0 else torch.multinomial(logp.exp(), 1, generator=generator)[0]
-        new.append(int(tok))
-        logprobs.append(float(logp[tok]))
-        if new[-1] == end_id:
-            break
-        x = tok.view(1, 1)                                           # next step feeds one token; the cache has the rest
-    return new, logprobs
-
-
-class PlainAgent:
-    """run_episodes' agent interface over sample_turn: act(batch) advances each waiting conversation by one
-    turn, one conversation after another. batch: [(task, messages, token_ids)] -> [(new ids, log-probs)]."""
-
-    def __init__(self, model, tokenizer, temperature=1.0, max_new_tokens=256, thinking=False, generator=None):
-        self.model, self.fmt, self.generator = model, ChatFormat(tokenizer, thinking), generator
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
-
-    def act(self, batch):
-        was_training = self.model.training
-        self.model.eval()
-        outs = [sample_turn(self.model, ids, self.max_new_tokens, self.temperature, self.fmt.end_of_turn_id,
-                            self.generator) for _, _, ids in batch]
-        self.model.train(was_training)
-        return outs
 
 
 # ----------------------------------------------------------------------------- the fast sampler
@@ -382,7 +342,7 @@ def bench(model, tok, args):
     ModelAgent's seconds went at the largest row count."""
     g = args.group_size
     rows = sorted({-(-int(r) // g) * g for r in args.rows.split(",")})   # whole groups
-    tasks = worlds.make_tasks(args.domain, "train", 1000, args.tiers and args.tiers.split(","), seed=args.seed)
+    tasks = envs.make_tasks(args.domain, "train", 1000, args.tiers and args.tiers.split(","), seed=args.seed)
     if len(tasks) < max(rows) // g:                  # the first 1000 tasks, filtered by tier: as rl.py's pool
         raise SystemExit(f"--rows {max(rows)}: {args.domain} has {len(tasks)} such tasks, {max(rows) // g} needed")
     tasks = tasks[:max(rows) // g]
@@ -431,7 +391,7 @@ def main():
     common.add_model_args(ap, model_default=DEFAULT_MODEL)
     common.add_user_args(ap)
     ap.add_argument("--adapter", default=None, help="LoRA adapter dir to load (e.g. runs/rl/adapter)")
-    ap.add_argument("--domain", default=None, help="a domain of worlds.py (retail, airline, tau2-..., ...) (preset)")
+    ap.add_argument("--domain", default=None, help="a domain of envs.py (retail, airline, tau2-..., ...) (preset)")
     ap.add_argument("--tiers", default=None, help="only tasks of these tiers, comma-separated (preset)")
     ap.add_argument("--split", default="train", help="train | test")
     ap.add_argument("--tasks", type=int, default=4, help="number of tasks")
@@ -447,8 +407,8 @@ def main():
     common.fill_preset(args, PRESETS, "bench" if args.bench else "tour")
     if not all(r.isdigit() and int(r) > 0 for r in args.rows.split(",")):
         common.fail("--rows", f"{args.rows!r} is not a comma-separated list of positive integers")
-    if args.domain not in worlds.DOMAINS:
-        common.fail("--domain", f"unknown domain {args.domain!r}; use one of {', '.join(worlds.DOMAINS)}")
+    if args.domain not in envs.DOMAINS:
+        common.fail("--domain", f"unknown domain {args.domain!r}; use one of {', '.join(envs.DOMAINS)}")
     common.check_args(args, at_least=dict(tasks=1, group_size=1, max_turns=1, max_new_tokens=1, max_context=2,
                                           user_workers=1),
                       finite=dict(temperature=(0, False)))
@@ -458,9 +418,10 @@ def main():
     if args.bench:
         return bench(model, tok, args)
     torch.manual_seed(args.seed)
-    tasks = worlds.make_tasks(args.domain, args.split, args.tasks, args.tiers and args.tiers.split(","), seed=args.seed)
+    tasks = envs.make_tasks(args.domain, args.split, args.tasks, args.tiers and args.tiers.split(","), seed=args.seed)
     agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens, int(args.kv_budget * 2**30) or None,
-                       args.thinking)
+                       args.thinking) if args.sampler == "fast" else \
+        PlainAgent(model, tok, args.temperature, args.max_new_tokens, args.thinking)
     t0 = time.time()
     trajs = run_episodes(agent, tok, tasks, args.group_size, args.user, args.max_turns, args.max_context, seed=args.seed,
                          **common.user_kwargs(args, model, tok))

@@ -2,17 +2,17 @@
 
 rl.py is the algorithm in one readable loop on one device. This file gives the same algorithm to an existing engine,
 TRL's GRPOTrainer, so that it runs on 1-8 GPUs with vLLM generating: TRL owns the update (log-probs, clipped loss +
-k3 KL, AdamW, DDP, checkpoints); we own the rollout. Its `rollout_func` calls rollout.run_episodes with worlds' envs
+k3 KL, AdamW, DDP, checkpoints); we own the rollout. Its `rollout_func` calls rollout.run_episodes with envs/' environments
 and simulated users; the agent inside generates through TRL's own generator (the colocated vLLM engine, else
 transformers generate). Each Trajectory becomes one TRL row: prompt = the system prompt + the user's first message,
 completion = everything after it (agent, tool and user turns), env_mask = the trajectory's loss_mask over the
 completion (1 only on sampled tokens: only those are trained), reward = Env.reward.
 
 Run:
-    python rl_trl.py                       # CPU preset (transformers generate); from runs/sft/adapter if present
-    python rl_trl.py --smoke --out /tmp/t  # 1 tiny step (tests/test_rl_trl.py)
-    python rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o --vllm colocate       # 1 GPU
-    accelerate launch --num_processes 8 rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o \\
+    python scripts/rl_trl.py                       # CPU preset (transformers generate); from runs/sft/adapter if present
+    python scripts/rl_trl.py --smoke --out /tmp/t  # 1 tiny step (tests/test_rl_trl.py)
+    python scripts/rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o --vllm colocate       # 1 GPU
+    accelerate launch --num_processes 8 scripts/rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o \\
         --vllm colocate                    # 8 GPUs: 32 tasks x 8 rollouts a step, 4 tasks a GPU
 GPU machines install requirements-gpu.txt (vLLM 0.31 needs transformers < 5.18); `python scripts/bench_trl.py`
 times one step of this file against one of rl.py on the same tasks.
@@ -35,10 +35,12 @@ Where this differs from rl.py (TRL's semantics, kept):
 import json
 import os
 import time
+import sys
 
 import torch
 
-import common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+import common  # noqa: E402
 
 # CPU: rl.py's limits (common.CPU_LIMITS), 2 tasks x 4 rollouts: transformers generate re-reads the conversation
 # every turn, so a CPU step costs several times rl.py's (scripts/bench_trl.py).
@@ -172,7 +174,7 @@ def build_trainer(args):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
     import rollout
-    import worlds
+    import envs
     cuda = torch.cuda.is_available()
     if cuda:                       # each process on its own GPU (load_model places weights on the current one)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -182,7 +184,7 @@ def build_trainer(args):
     model = rollout.add_lora(model, r=args.lora_r, alpha=args.lora_alpha) if init == "base" else \
         rollout.load_adapter(model, init, trainable=True)
     tasks = [t for d in args.domains.split(",")
-             for t in worlds.make_tasks(d, "train", args.task_pool, args.tiers.split(","), args.seed)]
+             for t in envs.make_tasks(d, "train", args.task_pool, args.tiers.split(","), args.seed)]
     world = int(os.environ.get("WORLD_SIZE", 1))
     rows = args.tasks * args.group_size // world              # rollouts per process and step
     config = GRPOConfig(

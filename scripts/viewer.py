@@ -1,4 +1,4 @@
-"""viewer.py: see what GRPO saw. A run's rollouts, or an evaluation's episodes, as one HTML page.
+"""scripts/viewer.py: see what GRPO saw. A run's rollouts, or an evaluation's episodes, as one HTML page.
 
 Every conversation turn by turn, as the tokens the model read and wrote: the agent's sampled tokens (loss_mask 1,
 what GRPO trains on) shaded, green where rl.py pushed them up (a positive advantage) and red where it pushed them
@@ -9,8 +9,8 @@ simulator failed). For eval.py's episodes: each agent's score and, first, where 
 agent solved and the other did not, side by side.
 
 Run:
-    python viewer.py runs/rl                    # an rl.py run (rollouts/*.jsonl, metrics.jsonl) -> runs/rl/view.html
-    python viewer.py runs/eval -o eval.html     # an eval.py run (its episodes_<agent>.jsonl)
+    python scripts/viewer.py runs/rl                    # an rl.py run (rollouts/*.jsonl, metrics.jsonl) -> runs/rl/view.html
+    python scripts/viewer.py runs/eval -o eval.html     # an eval.py run (its episodes_<agent>.jsonl)
 
 The page is one file that opens from disk: inline CSS, no script, nothing fetched. Conversations fold (<details>),
 so a page of hundreds of them opens at once. Everything a model, a user or a tool wrote is escaped. Tokens are
@@ -23,9 +23,11 @@ import json
 import math
 import os
 import re
+import sys
 
-import common
-import rollout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+import common  # noqa: E402
+import rollout  # noqa: E402
 
 esc = html.escape
 CSS = """

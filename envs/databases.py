@@ -1,9 +1,9 @@
-"""databases.py: the seeded, synthetic databases behind envs.py's retail and airline domains.
+"""envs/databases.py: the seeded, synthetic databases behind envs/ours.py's retail and airline domains.
 
 load_db(domain, split, seed) returns a fresh copy of a split's DB as plain JSON-able dicts: users with
 payment methods, and either orders over a small product catalogue (retail) or reservations on a
 small flight network (airline). Both splits are generated in one pass from one seed, so their users
-and ids never collide, while products and flights are shared. envs.py's tools read and write these
+and ids never collide, while products and flights are shared. envs/ours.py's tools read and write these
 dicts; its scenarios draw tasks from them. Imports nothing of ours.
 """
 import itertools

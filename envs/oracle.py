@@ -1,12 +1,12 @@
-"""oracle.py: the gold agent of our domains (retail, airline): the task's gold actions replayed as a
+"""envs/oracle.py: the gold agent of our domains (retail, airline): the task's gold actions replayed as a
 conversation, in one fixed style: ask for what is missing, look up, ask to confirm naming every value, act on a
 yes, report. sft.py's cold-start data is its conversations (kept at reward 1); tests use it as the agent that
-solves every task. worlds.py names it as our world's oracle_reply, beside τ²'s and ACEBench's own.
+solves every task. envs/__init__.py names it as our world's oracle_reply, beside τ²'s and ACEBench's own.
 """
 import json
 import re
 
-import envs
+from envs import ours
 import users
 
 # How the oracle asks for each fact; every phrase holds a word of users.FACT_KEYWORDS[key], which is
@@ -55,7 +55,7 @@ def describe(action, task) -> str:
 
 def _heard(value: str, heard: str) -> bool:
     """Did the user say this fact? Its value, or for a cancel reason the user's own words for it."""
-    return str(value).lower() in heard or envs.REASONS.get(value, "\0").lower() in heard
+    return str(value).lower() in heard or ours.REASONS.get(value, "\0").lower() in heard
 
 
 def plan(task, action) -> str:
@@ -79,7 +79,7 @@ def withheld(task, heard: str) -> list[str]:
     """The hidden facts the task needs that `heard` (what the user said, lowercase) does not give: what an agent
     has to ask for. Needed: a gold call uses it, or the task writes (a careful agent asks about insurance or
     bags before it books); never name and zip, since the email identifies a retail user."""
-    writes = any(a.name in envs.WRITE_TOOLS[task.domain] for a in task.gold_actions)
+    writes = any(a.name in ours.WRITE_TOOLS[task.domain] for a in task.gold_actions)
     return [k for k, v in task.hidden_facts.items() if k not in IDENTITY_ALTERNATIVES and not _heard(v, heard)
             and (writes or any(_uses(v, a) for a in task.gold_actions))]
 
@@ -100,7 +100,7 @@ def oracle_reply(task, messages: list[dict]) -> str:
     (alone) it asks nothing and confirms nothing: it looks up, says each write's plan in the turn that makes
     it (the words its confirmation would use, so both cold starts write the same numbers before a write), and
     its report ends the episode."""
-    writes, solo = envs.WRITE_TOOLS[task.domain], alone(task, messages)
+    writes, solo = ours.WRITE_TOOLS[task.domain], alone(task, messages)
     agent = [m for m in messages if m["role"] == "assistant"]
     heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
     asked = " ".join(m["content"] for m in agent).lower()
@@ -149,7 +149,7 @@ def report(task) -> str:
                 f"{out[0]}, and only insured or business-cabin reservations can be cancelled.")
     if task.scenario == "order_status_total":
         return f"Order {facts['order_id']} is {out[0]} and its total is ${out[1]}."
-    done = [describe(a, task) for a in task.gold_actions if a.name in envs.WRITE_TOOLS[task.domain]]
+    done = [describe(a, task) for a in task.gold_actions if a.name in ours.WRITE_TOOLS[task.domain]]
     return f"Done: {'; '.join(done)}." + (" " + ", ".join(out) + "." if out else "")
 
 

@@ -1,4 +1,4 @@
-"""acebench_domains.py: ACEBench's agent category (the paper's third benchmark) behind envs.Env's interface.
+"""envs/acebench_domains.py: ACEBench's agent category (the paper's third benchmark) behind ours.Env's interface.
 
 What: the 50 English agent cases of ACEBench (github.com/chenchen0103/ACEBench, MIT; Chen et al. 2025) as two
 domains next to ours, evaluation only (ACEBench has no train split):
@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass, field
 
 import users
-from envs import cut_short
+from envs.ours import cut_short
 
 DOMAINS = ("acebench-multi-turn", "acebench-multi-step")
 PAPER = {"Qwen3-8B": 39.2, "MUA-RL-8B": 53.3}   # the paper's ACEBench "Agent" column for the 8B models

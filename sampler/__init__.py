@@ -1,0 +1,16 @@
+"""sampler/: the policy as a sampler. plain.py is the one to read (sample_turn: a dozen lines over a KV cache);
+fast.py is the same tokens, faster (many conversations at once, keys/values kept between rounds, the shared
+system prompt attended once, waves that fit a KV budget), with its attention in attention.py."""
+from sampler.fast import ModelAgent
+from sampler.plain import PlainAgent, sample_turn   # noqa: F401
+
+SAMPLERS = ("fast", "plain")
+
+
+def make_agent(kind: str, model, tok, temperature: float, max_new_tokens: int, kv_budget_gib: float = 0.0,
+               thinking: bool = False):
+    """rl.py's and eval.py's --sampler: "plain" samples one conversation at a time through sample_turn,
+    "fast" (the default) is ModelAgent; kv_budget_gib 0 = ModelAgent's automatic budget."""
+    if kind == "plain":
+        return PlainAgent(model, tok, temperature, max_new_tokens, thinking)
+    return ModelAgent(model, tok, temperature, max_new_tokens, int(kv_budget_gib * 2**30) or None, thinking)
