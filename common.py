@@ -4,7 +4,8 @@
   add_run_args, add_model_args,           the flags stages share: seed/out/smoke/preset, the model, the user,
   add_user_args, add_episode_args,        an episode's limits, and the GRPO flags of rl.py and scripts/rl_trl.py
   add_grpo_args
-  fill_preset, CPU_LIMITS                 one preset scheme: PRESETS = {"gpu", "cpu", "smoke"} per stage
+  parse_with_preset, CPU_LIMITS           one preset scheme: PRESETS = {"gpu", "cpu", "smoke"} per stage, the
+                                          numbers in use shown by --help
   check_args                              bad input caught before any model loads
   start_run                               threads, print and save the arguments, make --out, refuse a resume
                                           with other settings
@@ -36,11 +37,50 @@ USERS = "scripted | scripted:PERSONA | none | local | oracle | openai:MODEL"
 TIERS = ("easy", "medium", "hard")
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """--help prints every flag's default in use: the preset's number where a preset sets it."""
+
+    def _get_help_string(self, action):
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS \
+            and "%(default)" not in action.help
+        return action.help + " (default: %(default)s)" if shown else action.help
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with an error as one line ("rl.py: --lr: ...") and exit status 2, as argparse exits."""
+    """argparse, with an error as one line ("rl.py: --lr: ...") and exit status 2, as argparse exits, every default
+    shown in --help, and the flags in named groups (group(title)): the algorithm's apart from ablations and
+    performance."""
+
+    GROUPS = {"run": "the run", "model": "the model", "world": "the world and the user",
+              "algorithm": "the algorithm", "ablation": "ablations (the paper's and ours)",
+              "performance": "performance: speed and memory"}
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, formatter_class=ShowDefaults, **kw)
+        self.groups = {name: self.add_argument_group(title) for name, title in self.GROUPS.items()}   # --help's order
+
+    def group(self, name: str):
+        return self.groups[name]
 
     def error(self, message):
         self.exit(2, f"{self.prog}: {message}\n")
+
+
+def parse_with_preset(p: Parser, presets: dict, argv=None, name: str | None = None):
+    """Parse argv with the preset's numbers as the defaults, so --help shows the numbers in use. The preset is
+    presets[name] if given (sampler/fast.py: its tour or its bench), else presets["smoke"] with --smoke, else
+    presets[--preset] (auto: "gpu" where CUDA is, else "cpu")."""
+    if name is None:
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--preset", default="auto")
+        pre.add_argument("--smoke", action="store_true")
+        known = pre.parse_known_args(argv)[0]
+        name = "smoke" if known.smoke else known.preset if known.preset != "auto" else \
+            "gpu" if torch.cuda.is_available() else "cpu"
+    if name in presets:                          # else p.parse_args names the bad --preset
+        p.set_defaults(**presets[name])
+        p.epilog = f"Defaults shown: the {name!r} preset ({', '.join(presets)}: the file's PRESETS table)."
+    return p.parse_args(argv)
 
 
 def fail(flag: str, message: str):
@@ -49,86 +89,87 @@ def fail(flag: str, message: str):
     raise SystemExit(2)
 
 
-def add_run_args(p, out: str, smoke: str):
+def add_run_args(p: Parser, out: str, smoke: str):
     """--seed, --out, --smoke and --preset: how every stage is started."""
-    p.add_argument("--seed", type=int, default=0, help="seed for tasks, users and sampling")
-    p.add_argument("--out", default=out, help="everything this run writes goes here")
-    p.add_argument("--smoke", action="store_true", help=smoke)
-    p.add_argument("--preset", default="auto", choices=["auto", "cpu", "gpu"], help="the sizes of every flag left "
-                   "unset (the stage's PRESETS): auto = gpu with CUDA, else cpu; --smoke overrides")
+    g = p.group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed for tasks, users and sampling")
+    g.add_argument("--out", default=out, help="everything this run writes goes here")
+    g.add_argument("--smoke", action="store_true", help=smoke)
+    g.add_argument("--preset", default="auto", choices=["auto", "cpu", "gpu"], help="the sizes of every flag not "
+                   "given (the stage's PRESETS): auto = gpu with CUDA, else cpu; --smoke overrides")
 
 
-def add_model_args(p, model_default=None, sampler=True):
-    """--model and --load-in-4bit; with sampler (a stage that samples from the model) --thinking, --kv-budget."""
-    p.add_argument("--model", default=model_default, help="HF model id or local path; default: the bundled "
+def add_model_args(p: Parser, model_default=None, sampler=True):
+    """--model and --load-in-4bit; with sampler (a stage that samples from the model) --thinking, --sampler and
+    --kv-budget."""
+    g = p.group("model")
+    g.add_argument("--model", default=model_default, help="HF model id or local path; none: the bundled "
                    "SmolLM2-135M-Instruct (rollout.DEFAULT_MODEL)")
-    p.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes), LoRA on top (QLoRA)")
+    g.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes), LoRA on top (QLoRA)")
     if not sampler:
         return
-    p.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (off by default, as in the paper)")
-    p.add_argument("--sampler", default="fast", choices=["fast", "plain"], help="fast: sampler/fast.py, many "
+    g.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (off by default, as in the paper)")
+    g = p.group("performance")
+    g.add_argument("--sampler", default="fast", choices=["fast", "plain"], help="fast: sampler/fast.py, many "
                    "conversations at once; plain: sampler/plain.py's sample_turn, one conversation at a time (the "
                    "code to read; the same tokens, slower)")
-    p.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold; it decodes "
-                   "in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no limit)")
+    g.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the fast sampler may hold; it "
+                   "decodes in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no "
+                   "limit)")
 
 
-def add_user_args(p, default="scripted", several=False):
-    p.add_argument("--user", default=default, help=f"user simulator: {USERS} (none: the whole instruction up front; "
+def add_user_args(p: Parser, default="scripted", several=False):
+    g = p.group("world")
+    g.add_argument("--user", default=default, help=f"user simulator: {USERS} (none: the whole instruction up front; "
                    "PERSONA: one no training uses, users.PERSONAS)" + ("; a comma list evaluates under each" * several))
-    p.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
+    g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
-    p.add_argument("--user-workers", type=int, default=16, help="LLM users asked at once (each round's replies)")
+    p.group("performance").add_argument("--user-workers", type=int, default=16, help="LLM users asked at once "
+                                        "(each round's replies)")
 
 
-def add_episode_args(p, tokens: bool = True):
-    """An episode's limits (preset); tokens: also the agent's tokens per turn and the context."""
-    p.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (preset; paper 30)")
+def add_episode_args(p: Parser, tokens: bool = True):
+    """An episode's limits; tokens: also the agent's tokens per turn and the context."""
+    g = p.group("world")
+    g.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (paper 30)")
     if tokens:
-        p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn (preset)")
-        p.add_argument("--max-context", type=int, default=None, help="episode token limit (preset)")
+        g.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn")
+        g.add_argument("--max-context", type=int, default=None, help="episode token limit")
 
 
-def add_grpo_args(p):
+def add_grpo_args(p: Parser):
     """The flags of GRPO itself, the same in rl.py and scripts/rl_trl.py (TRL's names in brackets)."""
-    p.add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at it), 'base' (no "
+    g = p.group("run")
+    g.add_argument("--steps", type=int, default=None, help="GRPO steps; a larger value resumes a run")
+    g = p.group("model")
+    g.add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at it), 'base' (no "
                    "cold start: a fresh LoRA, the reference the base model), or 'auto' = runs/sft/adapter if present "
                    "else base")
-    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
-    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
-    p.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward (Env.reward)")
-    p.add_argument("--domains", default=None, help="comma-separated train domains (preset)")
-    p.add_argument("--tiers", default=None, help="task tiers to train on (preset)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (preset); a larger value resumes a run")
-    p.add_argument("--tasks", type=int, default=None, help="groups trained per step (preset; paper 32)")
-    p.add_argument("--group-size", type=int, default=None, help="rollouts per task G [num_generations] (preset; "
-                   "paper 8)")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
+    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
+    g = p.group("world")
+    g.add_argument("--domains", default=None, help="comma-separated train domains")
+    g.add_argument("--tiers", default=None, help="task tiers to train on")
     add_episode_args(p)
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (preset; paper 1.0)")
-    p.add_argument("--kl-coef", type=float, default=0.001, help="beta for the k3 KL to the reference (paper 0.001) "
+    g = p.group("algorithm")
+    g.add_argument("--tasks", type=int, default=None, help="groups trained per step (paper 32)")
+    g.add_argument("--group-size", type=int, default=None, help="rollouts per task G [num_generations] (paper 8)")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (paper 1.0)")
+    g.add_argument("--kl-coef", type=float, default=0.001, help="beta for the k3 KL to the reference (paper 0.001) "
                    "[beta; TRL's default is 0]")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon, both sides (paper 0.2) [epsilon]")
-    p.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean: every "
+    g.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon, both sides (paper 0.2) [epsilon]")
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
+    g = p.group("ablation")
+    g.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward (Env.reward); "
+                   "shaped: partial credit for correct writes")
+    g.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean: every "
                    "sampled token weighs the same (DAPO, the official code) [dapo]; seq-mean: every rollout does "
                    "(GRPO paper) [grpo]")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (preset)")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward "
-                   "[per_device_train_batch_size] (preset)")
-    p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"], help="recompute activations in "
-                   "backward (preset: GPU on; CPU off, which lets the system prompt run once per pass)")
-
-
-def fill_preset(args, presets: dict, name: str | None = None):
-    """Every flag left at None takes the value of the stage's preset: presets[name] if given (sampler/fast.py: its
-    tour or its bench), else presets["smoke"] with --smoke, else presets[--preset] (auto: "gpu" where CUDA is,
-    else "cpu")."""
-    if name is None:
-        name = "smoke" if args.smoke else args.preset if args.preset != "auto" else \
-            "gpu" if torch.cuda.is_available() else "cpu"
-    for k, v in presets[name].items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    return args
+    g = p.group("performance")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward "
+                   "[per_device_train_batch_size]")
+    g.add_argument("--grad-checkpointing", default=None, choices=["on", "off"], help="recompute activations in "
+                   "backward (GPU on; CPU off, which lets the system prompt run once per pass)")
 
 
 def check_args(args, at_least=None, finite=None, several_users=False):

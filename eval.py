@@ -87,26 +87,29 @@ METRICS = {"pass1": "pass^1", "correct_state": "correct end state", "finished": 
 def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
     common.add_run_args(p, out="runs/eval", smoke="tiny run for tests (< 2 min on CPU)")
-    p.add_argument("--agents", default="base,sft,rl",
+    common.add_model_args(p)
+    g = p.group("model")
+    g.add_argument("--agents", default="base,sft,rl",
                    help="comma list: base | sft | rl | an adapter dir | openai:MODEL (sft and rl are skipped when "
                         "their adapter does not exist)")
-    common.add_model_args(p)
+    g.add_argument("--sft-adapter", default="runs/sft/adapter", help="adapter dir used for agent 'sft'")
+    g.add_argument("--rl-adapter", default="runs/rl/adapter", help="adapter dir used for agent 'rl'")
+    g.add_argument("--openai-base-url", default=None, help="base URL for openai:MODEL agents (none: OpenAI)")
     common.add_user_args(p, several=True)
-    p.add_argument("--paired-metric", default="pass1", help=f"comma list of the metrics paired comparisons are "
-                   f"made on: {', '.join(METRICS)} (the first is plotted)")
-    p.add_argument("--sft-adapter", default="runs/sft/adapter", help="adapter dir used for agent 'sft'")
-    p.add_argument("--rl-adapter", default="runs/rl/adapter", help="adapter dir used for agent 'rl'")
-    p.add_argument("--openai-base-url", default=None, help="base URL for openai:MODEL agents (default: OpenAI)")
-    p.add_argument("--domains", default="retail,airline", help="comma-separated test domains (envs.py)")
-    p.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain (preset)")
-    p.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated (preset: cpu easy)")
-    p.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n (preset)")
+    g = p.group("world")
+    g.add_argument("--domains", default="retail,airline", help="comma-separated test domains (envs.DOMAINS)")
+    g.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain")
+    g.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated")
     common.add_episode_args(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="agent temperature (0: greedy, as tau-bench; "
+    g = p.group("algorithm")                      # what is measured, and how
+    g.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n")
+    g.add_argument("--temperature", type=float, default=0.0, help="agent temperature (0: greedy, as tau-bench; "
                    "training samples at 1.0)")
-    p.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (preset; 0 = off)")
-    p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the CI")
-    args = common.fill_preset(p.parse_args(argv), PRESETS)
+    g.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (0 = off)")
+    g.add_argument("--paired-metric", default="pass1", help=f"comma list of the metrics paired comparisons are "
+                   f"made on: {', '.join(METRICS)} (the first is plotted)")
+    g.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the CI")
+    args = common.parse_with_preset(p, PRESETS, argv)
     common.check_args(args, at_least=dict(n_tasks=1, trials=1, max_turns=1, max_new_tokens=1, max_context=2,
                                           recheck=0, n_boot=1, user_workers=1),
                       finite=dict(temperature=(0, False)), several_users=True)

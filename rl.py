@@ -72,30 +72,34 @@ def parse_args(argv=None):
     common.add_model_args(p)
     common.add_user_args(p)
     common.add_grpo_args(p)
-    p.add_argument("--draw", type=int, default=None, help="tasks per rollout batch (preset)")
-    p.add_argument("--max-draws", type=int, default=None, help="dynamic sampling: at most this many rollout batches "
-                   "a step to find --tasks groups with reward variance (preset; 1 = plain GRPO)")
-    p.add_argument("--screen", type=int, default=0, help="screening: each drawn task first gets this many rollouts, "
+    g = p.group("algorithm")
+    g.add_argument("--draw", type=int, default=None, help="tasks per rollout batch")
+    g.add_argument("--max-draws", type=int, default=None, help="dynamic sampling: at most this many rollout batches "
+                   "a step to find --tasks groups with reward variance (1 = plain GRPO)")
+    g.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch of rollouts (> 1: the "
+                   "ratio departs from 1 and the clip can act)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
+    g = p.group("ablation")
+    g.add_argument("--screen", type=int, default=0, help="screening: each drawn task first gets this many rollouts, "
                    "and the rest of its group only if one of them got a reward other than the batch's most common "
                    "one (rollouts go to groups likely to differ; 0 = off, every task its whole group)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    p.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per batch of rollouts (> 1: the "
-                   "ratio departs from 1 and the clip can act)")
-    p.add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the update's forward and "
-                   "backward under bf16 autocast (weights, LoRA, AdamW and the log-softmax stay fp32); auto = on "
-                   "for a CPU with native bf16 dot products (AVX512-BF16 or AMX), off on GPU (bf16 already)")
-    p.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this fraction of a "
-                   "step's rollouts lost their user simulator or environment (those rollouts are never trained on)")
-    p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps (preset)")
-    p.add_argument("--eval-every", type=int, default=None, help="held-out pass^1 every N steps, and before step 1 "
-                   "(preset; 0 = never)")
-    p.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks per domain for that curve (preset)")
-    p.add_argument("--eval-skip", type=int, default=24, help="the curve uses the held-out tasks after the first N "
-                   "of each domain, the ones eval.py's CPU preset reports")
-    p.add_argument("--rollouts", default=None, help="train on the rollouts another run saved (its rollouts/ dir) "
+    g.add_argument("--rollouts", default=None, help="train on the rollouts another run saved (its rollouts/ dir) "
                    "instead of sampling: compares update rules on identical rollouts")
-    args = common.fill_preset(p.parse_args(argv), PRESETS)
+    p.group("performance").add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the "
+                                        "update's forward and backward under bf16 autocast (weights, LoRA, AdamW and "
+                                        "the log-softmax stay fp32); auto = on for a CPU with native bf16 dot "
+                                        "products (AVX512-BF16 or AMX), off on GPU (bf16 already)")
+    g = p.group("run")
+    g.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this fraction of a "
+                   "step's rollouts lost their user simulator or environment (those rollouts are never trained on)")
+    g.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every N steps")
+    g.add_argument("--eval-every", type=int, default=None, help="held-out pass^1 every N steps, and before step 1 "
+                   "(0 = never)")
+    g.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks per domain for that curve")
+    g.add_argument("--eval-skip", type=int, default=24, help="the curve uses the held-out tasks after the first N "
+                   "of each domain, the ones eval.py's CPU preset reports")
+    args = common.parse_with_preset(p, PRESETS, argv)
     if args.train_bf16 == "auto":
         args.train_bf16 = "on" if native_bf16_cpu() and not torch.cuda.is_available() and not args.load_in_4bit else "off"
     common.check_args(args, at_least=dict(steps=1, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1,

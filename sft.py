@@ -76,38 +76,41 @@ def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
     common.add_run_args(p, out="runs/sft", smoke="tiny run (< 2 min on CPU) for tests")
     common.add_model_args(p, model_default=rollout.DEFAULT_MODEL, sampler=False)
-    # data
-    p.add_argument("--domains", default=",".join(ours.DOMAINS), help="comma-separated domains")
-    p.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario (preset: cpu 20, gpu 167)")
-    p.add_argument("--tiers", default=None, help="scenarios of these tiers only (preset: cpu easy, gpu all)")
-    p.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
+    g = p.group("model")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
+    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
+    g = p.group("world")                          # the data: which conversations the cold start learns from
+    g.add_argument("--domains", default=",".join(ours.DOMAINS), help="comma-separated domains")
+    g.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario")
+    g.add_argument("--tiers", default=None, help="scenarios of these tiers only")
+    g.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
     common.add_user_args(p)
     common.add_episode_args(p, tokens=False)
-    p.add_argument("--teacher", default=None, help="an OpenAI-compatible model as the agent instead of the oracle "
-                                                   "(key from $OPENAI_API_KEY)")
-    p.add_argument("--teacher-base-url", default=None, help="base URL of the teacher's server (default: OpenAI)")
-    # training
-    p.add_argument("--epochs", type=int, default=None, help="passes over the kept data (preset: cpu 1, gpu 2)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step (preset: cpu 2, gpu 32)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward pass (preset: cpu 1, gpu 4)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (preset: cpu 1e-3, gpu 1e-4)")
-    p.add_argument("--warmup-ratio", type=float, default=0.1, help="fraction of steps with linear warmup (>= 1 step)")
-    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
-    p.add_argument("--max-len", type=int, default=None, help="truncate sequences to this many tokens (preset)")
-    p.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (default: epochs x data)")
-    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
-    p.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha")
-    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
-    p.add_argument("--share-prefix", default="on", choices=["on", "off"],
+    g.add_argument("--teacher", default=None, help="an OpenAI-compatible model as the agent instead of the oracle "
+                   "(key from $OPENAI_API_KEY)")
+    g.add_argument("--teacher-base-url", default=None, help="base URL of the teacher's server (default: OpenAI)")
+    g = p.group("algorithm")
+    g.add_argument("--epochs", type=int, default=None, help="passes over the kept data")
+    g.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    g.add_argument("--warmup-ratio", type=float, default=0.1, help="fraction of steps with linear warmup (>= 1 step)")
+    g.add_argument("--schedule", default="cosine", choices=["cosine", "linear"], help="decay after warmup")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--max-len", type=int, default=None, help="truncate sequences to this many tokens")
+    g.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (none: epochs x data)")
+    g = p.group("performance")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward pass")
+    g.add_argument("--share-prefix", default="on", choices=["on", "off"],
                    help="run each domain's system prompt once per step, not once per conversation (exact)")
-    p.add_argument("--grad-checkpointing", default=None, choices=["on", "off"],
-                   help="recompute activations in backward: less memory, slower (scripts/bench_sft.py); turns --share-prefix "
-                        "off (preset: gpu on, cpu off)")
-    p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end (preset)")
-    p.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
-    args = common.fill_preset(p.parse_args(argv), PRESETS)
+    g.add_argument("--grad-checkpointing", default=None, choices=["on", "off"],
+                   help="recompute activations in backward: less memory, slower (scripts/bench_sft.py); turns "
+                        "--share-prefix off")
+    g = p.group("run")
+    g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end")
+    g.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
+    args = common.parse_with_preset(p, PRESETS, argv)
     common.check_args(args, at_least=dict(tasks_per_scenario=1, samples_per_task=1, max_turns=1, user_workers=1,
                                           epochs=1, batch_size=1, micro_batch_size=1, max_len=2, max_steps=1,
                                           lora_r=1, save_every=1, stop_after=1),

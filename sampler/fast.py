@@ -16,6 +16,7 @@ Run
   python -m sampler.fast --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o
 """
 import contextlib
+import sys
 import time
 from collections import Counter
 
@@ -386,25 +387,26 @@ def bench(model, tok, args):
     print(f"profile (ModelAgent, {hi} rows): where the rollouts' {dt:.0f} seconds went\n{profile}")
 
 
-def main():
+def main(argv=None):
     ap = common.Parser(description="Run a few MUA-RL rollouts and print them, or time the samplers.")
     common.add_model_args(ap, model_default=DEFAULT_MODEL)
     common.add_user_args(ap)
-    ap.add_argument("--adapter", default=None, help="LoRA adapter dir to load (e.g. runs/rl/adapter)")
-    ap.add_argument("--domain", default=None, help="a domain of envs.py (retail, airline, tau2-..., ...) (preset)")
-    ap.add_argument("--tiers", default=None, help="only tasks of these tiers, comma-separated (preset)")
-    ap.add_argument("--split", default="train", help="train | test")
-    ap.add_argument("--tasks", type=int, default=4, help="number of tasks")
-    ap.add_argument("--group-size", type=int, default=None, help="rollouts per task (preset)")
+    ap.group("model").add_argument("--adapter", default=None, help="LoRA adapter dir to load (e.g. runs/rl/adapter)")
+    g = ap.group("world")
+    g.add_argument("--domain", default=None, help="a domain of envs.DOMAINS (retail, airline, tau2-..., ...)")
+    g.add_argument("--tiers", default=None, help="only tasks of these tiers, comma-separated")
+    g.add_argument("--split", default="train", help="train | test")
+    g.add_argument("--tasks", type=int, default=4, help="number of tasks")
+    g.add_argument("--group-size", type=int, default=None, help="rollouts per task")
     common.add_episode_args(ap)
-    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0: greedy (preset)")
-    ap.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
-    ap.add_argument("--bench", action="store_true", help="tok/s of the plain and the fast sampler at --rows "
-                    "conversations, against a matmul roofline, and where the fast one's seconds went; with --adapter "
-                    "also LoRA unmerged. Its preset is rl.py's CPU rollouts")
-    ap.add_argument("--rows", default="8,16", help="with --bench: conversations decoded together, comma-separated")
-    args = ap.parse_args()
-    common.fill_preset(args, PRESETS, "bench" if args.bench else "tour")
+    g = ap.group("run")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0: greedy")
+    g.add_argument("--seed", type=int, default=0, help="task, user and sampling seed")
+    g.add_argument("--bench", action="store_true", help="tok/s of the plain and the fast sampler at --rows "
+                   "conversations, against a matmul roofline, and where the fast one's seconds went; with --adapter "
+                   "also LoRA unmerged. Its preset is rl.py's CPU rollouts")
+    g.add_argument("--rows", default="8,16", help="with --bench: conversations decoded together, comma-separated")
+    args = common.parse_with_preset(ap, PRESETS, argv, "bench" if "--bench" in (argv or sys.argv[1:]) else "tour")
     if not all(r.isdigit() and int(r) > 0 for r in args.rows.split(",")):
         common.fail("--rows", f"{args.rows!r} is not a comma-separated list of positive integers")
     if args.domain not in envs.DOMAINS:

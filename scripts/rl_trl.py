@@ -14,7 +14,7 @@ Run:
     python scripts/rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o --vllm colocate       # 1 GPU
     accelerate launch --num_processes 8 scripts/rl_trl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o \\
         --vllm colocate                    # 8 GPUs: 32 tasks x 8 rollouts a step, 4 tasks a GPU
-GPU machines install requirements-gpu.txt (vLLM 0.31 needs transformers < 5.18); `python scripts/bench_trl.py`
+GPU machines install scripts/requirements-gpu.txt (vLLM 0.31 needs transformers < 5.18); `python scripts/bench_trl.py`
 times one step of this file against one of rl.py on the same tasks.
 
 Where this differs from rl.py (TRL's semantics, kept):
@@ -62,12 +62,15 @@ def parse_args(argv=None):
     common.add_model_args(p)
     common.add_user_args(p)
     common.add_grpo_args(p)         # --tasks: over all processes, a multiple of their number (whole groups each)
-    p.add_argument("--task-pool", type=int, default=1000, help="train tasks generated per domain to sample from")
-    p.add_argument("--vllm", default=None, choices=["off", "colocate"], help="generate with a vLLM engine on each GPU "
-                   "beside training (requirements-gpu.txt), or with transformers generate (preset: GPU colocate)")
-    p.add_argument("--vllm-memory", type=float, default=0.3, help="share of each GPU's memory vLLM may take")
-    p.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (preset); rerun to resume")
-    args = common.fill_preset(p.parse_args(argv), PRESETS)
+    p.group("world").add_argument("--task-pool", type=int, default=1000, help="train tasks generated per domain to "
+                                  "sample from")
+    g = p.group("performance")
+    g.add_argument("--vllm", default=None, choices=["off", "colocate"], help="generate with a vLLM engine on each GPU "
+                   "beside training (scripts/requirements-gpu.txt), or with transformers generate")
+    g.add_argument("--vllm-memory", type=float, default=0.3, help="share of each GPU's memory vLLM may take")
+    p.group("run").add_argument("--save-every", type=int, default=None, help="checkpoint every N steps; rerun to "
+                                "resume")
+    args = common.parse_with_preset(p, PRESETS, argv)
     common.check_args(args, at_least=dict(steps=1, tasks=1, group_size=2, max_turns=1, max_new_tokens=1,
                                           micro_batch=1, save_every=1, lora_r=1),
                       finite=dict(lr=(0, True), temperature=(0, True), kl_coef=(0, False), clip=(0, True)))
@@ -81,7 +84,7 @@ def parse_args(argv=None):
     if args.vllm != "off":
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
-            common.fail("--vllm", "vLLM is not installed: pip install -r requirements-gpu.txt, or pass --vllm off")
+            common.fail("--vllm", "vLLM is not installed: pip install -r scripts/requirements-gpu.txt, or pass --vllm off")
     return args
 
 

@@ -605,3 +605,33 @@ def test_replaying_saved_rollouts_compares_update_rules_on_identical_rollouts(tm
     assert not all(torch.equal(want[k], changed[k]) for k in want)
     seen = lambda out: [(x["per_group"], x["tokens"], x["train_tokens"]) for x in read_metrics(out)]   # noqa: E731
     assert seen(tmp_path / "other") == seen(uninterrupted) == seen(tmp_path / "same")
+
+
+@pytest.mark.slow          # four runs, about a minute and a half alone on 2 cores
+def test_the_plain_sampler_runs_rl_and_eval_with_the_fast_ones_tokens(tmp_path, tiny_model_dir):
+    """`--sampler plain` puts sampler/plain.py's sample_turn on the path that runs. eval.py, greedy: the same
+    episodes token for token as the fast sampler's. rl.py: a step samples, trains and checkpoints through it, and
+    its greedy held-out curve starts where the fast sampler's does."""
+    import eval as evaluate
+    model = os.path.join(tiny_model_dir, "model")
+    episodes = {}
+    for kind in ("plain", "fast"):
+        out = tmp_path / f"eval_{kind}"
+        evaluate.main(["--model", model, "--agents", "base", "--domains", "retail", "--n-tasks", "2", "--tiers", "hard",
+                       "--max-turns", "2", "--max-new-tokens", "6", "--sampler", kind, "--out", str(out)])
+        with open(out / "episodes_base.jsonl") as f:
+            episodes[kind] = [json.loads(line) for line in f]
+    assert len(episodes["plain"]) == 2 and sum(e["turns"] for e in episodes["plain"]) >= 2
+    for a, b in zip(episodes["plain"], episodes["fast"]):
+        assert a["token_ids"] == b["token_ids"] and a["loss_mask"] == b["loss_mask"] and a["reward"] == b["reward"]
+    curves = {}
+    for kind in ("plain", "fast"):
+        r = run_rl(tmp_path / f"rl_{kind}", "--model", model, *TRAINS[2:], "--steps", "1", "--max-draws", "1",
+                   "--eval-every", "1", "--eval-tasks", "2", "--sampler", kind, init=os.path.join(tiny_model_dir, "sft"))
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        m = read_metrics(tmp_path / f"rl_{kind}")
+        curves[kind] = m[0]["heldout_pass1"]
+        assert m[1]["tokens"] > 0 and os.path.exists(tmp_path / f"rl_{kind}" / "adapter" / "adapter_config.json")
+    assert curves["plain"] == curves["fast"]
+    with open(next((tmp_path / "rl_plain" / "rollouts").iterdir())) as f:
+        assert all(sum(json.loads(line)["loss_mask"]) > 0 for line in f)     # the plain sampler's own tokens

@@ -84,3 +84,18 @@ def test_from_the_command_line_no_model_loads_and_no_out_dir_is_left(tmp_path, s
     assert len(lines) == 1 and flag in lines[0], lines
     assert r.stdout == ""                        # not even the arguments: nothing ran
     assert not out.exists() and not os.listdir(cache)
+
+
+@pytest.mark.parametrize("script, preset, flag, number", [("rl.py", "cpu", "--tasks", "8"), ("rl.py", "gpu", "--tasks", "32"),
+                                                          ("sft.py", "cpu", "--lr", "0.001"),
+                                                          ("eval.py", "gpu", "--trials", "4")])
+def test_help_shows_the_presets_numbers(capsys, monkeypatch, script, preset, flag, number):
+    """--help names each flag's default in use, the preset's number where a preset sets it."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(script[:-3]).parse_args(["--preset", preset, "--help"])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.strip().startswith(flag + " "))
+    print(line)
+    assert e.value.code == 0 and line.endswith(f"(default: {number})")
+    assert f"the {preset!r} preset" in out
