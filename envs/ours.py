@@ -671,7 +671,7 @@ def main():
             print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle: reward {env.reward(t.required_outputs)}; "
                   f"doing nothing: {Env(t).reward([])}")
         size = len(POLICIES[domain]) + len(json.dumps(tool_schemas(domain)))
-        print(f"\npolicy + tool schemas: {size} characters (`python -m sampler.fast` runs a few episodes)")
+        print(f"\npolicy + tool schemas: {size} characters (`python -m sampler.bench` runs a few episodes)")
 
 
 if __name__ == "__main__":

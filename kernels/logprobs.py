@@ -41,11 +41,9 @@ Special values (tested):
 Simplifications: no label smoothing, no logit soft-capping or lm_head bias (common.sequence_logprobs
 refuses such models with a clear error); one program per row (no split-V parallelism for tiny N).
 """
-import math
 import os
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton

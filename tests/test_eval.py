@@ -239,7 +239,7 @@ def test_failures_keep_db_diffs_and_rescued_ones_are_flagged(tasks, tok):
     assert len(flagged) == 6 and all(f["rechecked"] for f in flagged)   # 3 tasks x 2 failed trials
 
 
-def test_report_table_and_plot(tmp_path):
+def test_report_table_and_plot(tmp_path, monkeypatch):
     tau = {"overall": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20), "rechecked": 1, "user_sim_suspects": 0,
            "per_domain": {"retail": ev.summarize({"a": [1, 0], "b": [1, 1]}, 20)},
            "per_tier": {"easy": ev.summarize({"a": [1, 0]}, 20), "medium": ev.summarize({"b": [1, 1]}, 20)},
@@ -256,8 +256,18 @@ def test_report_table_and_plot(tmp_path):
     assert "| easy pass^1 | medium pass^1 |" in table and "(retail: 2, easy: 1, medium: 1)" in table
     assert "| rl | all | 4 | 0.500 | 0.500 | 0.500 | 0.667 (3) | - | 0.500 |" in table   # behaviour: n where fewer
     assert "evaluated with |" not in table                                               # one user: no grid
+    drawn = []
+    monkeypatch.setattr(ev.common, "save_figure", lambda fig, path, **kw: drawn.append((fig, path)))
     ev.plot(results, str(tmp_path / "p.png"), pairs["pass1"])
-    assert (tmp_path / "p.png").stat().st_size > 10_000
+    (fig, path), = drawn
+    overall, per_domain, paired = fig.axes
+    assert [b.get_height() for b in overall.patches] == [0.75, 0.75]          # each agent's pass^1
+    assert [t.get_text() for t in overall.get_xticklabels()] == ["base", "rl"]
+    assert [b.get_height() for b in per_domain.patches] == [0.75, 0.75]       # retail, for each agent
+    assert "pass^1" in overall.get_title() and "per domain" in per_domain.get_title()
+    x, y = paired.lines[0].get_data()                                          # the errorbar's point
+    assert list(x) == [0.25] and [t.get_text() for t in paired.texts] == ["+0.250"]   # rl - base, as the table says
+    assert [t.get_text() for t in paired.get_yticklabels()] == ["rl - base"] and path.endswith("p.png")
 
 
 def test_pairs_per_domain_keep_each_domains_tasks_together():

@@ -635,3 +635,20 @@ def test_the_plain_sampler_runs_rl_and_eval_with_the_fast_ones_tokens(tmp_path, 
     assert curves["plain"] == curves["fast"]
     with open(next((tmp_path / "rl_plain" / "rollouts").iterdir())) as f:
         assert all(sum(json.loads(line)["loss_mask"]) > 0 for line in f)     # the plain sampler's own tokens
+
+
+def test_same_adapters_fails_on_one_ulp(tmp_path):
+    """scripts/same_adapters.py, the bit-for-bit check of the default run before and after a change: equal
+    adapters pass, one weight moved by one ulp fails, a missing adapter is exit 2."""
+    from safetensors.torch import save_file
+    from scripts import same_adapters
+    w = {"a.lora_A.weight": torch.randn(4, 8), "a.lora_B.weight": torch.randn(8, 4)}
+    moved = {k: v.clone() for k, v in w.items()}
+    moved["a.lora_B.weight"][3, 1] = torch.nextafter(moved["a.lora_B.weight"][3, 1], torch.tensor(1e9))
+    for name, tensors in (("before", w), ("same", {k: v.clone() for k, v in w.items()}), ("moved", moved)):
+        os.makedirs(tmp_path / name)
+        save_file(tensors, str(tmp_path / name / "adapter_model.safetensors"))
+    before, same, moved_dir = (str(tmp_path / n) for n in ("before", "same", "moved"))
+    assert same_adapters.main([before, same]) == 0
+    assert same_adapters.main([before, same, before, moved_dir]) == 1
+    assert same_adapters.main([before, str(tmp_path / "nowhere")]) == 2

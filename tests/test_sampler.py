@@ -98,14 +98,14 @@ def test_sampled_logprobs_equal_a_teacher_forced_recomputation(tiny_lora, tok, m
 
 
 def test_the_bench_profile_accounts_for_the_seconds_and_leaves_nothing_behind(tiny_lora, tok):
-    """sampler.Profile (what `python -m sampler.fast --bench` prints): its timers nest (no part is negative, so nothing
+    """sampler.bench.Profile (what `python -m sampler.bench --bench` prints): its timers nest (no part is negative, so nothing
     is counted twice: a forward is prefill or decode, never both), the decode parts are not empty, the profiled run
     samples the same tokens as an unprofiled one, and afterwards the model, nn.Linear and the attention registry are
     as they were."""
     from transformers import AttentionInterface
 
     from sampler.attention import shared_prefix_attention
-    from sampler import Profile
+    from sampler.bench import Profile
     linear, runs = torch.nn.Linear.forward, {}
     for profiled in (False, True):
         agent = ModelAgent(tiny_lora, tok, temperature=1.0, max_new_tokens=6)

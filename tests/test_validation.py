@@ -51,9 +51,9 @@ CASES = [   # script, bad flags, the flag the line must name
     ("scripts/rl_trl.py", ["--domains", "nope"], "--domains"),
     ("scripts/rl_trl.py", ["--tasks", "3", "--group-size", "4", "--micro-batch", "5"], "--micro-batch"),
     ("scripts/rl_trl.py", ["--vllm", "colocate"], "--vllm"),
-    ("sampler/fast.py", ["--domain", "nope"], "--domain"),
-    ("sampler/fast.py", ["--tasks", "0"], "--tasks"),
-    ("sampler/fast.py", ["--bench", "--rows", "8,x"], "--rows"),
+    ("sampler/bench.py", ["--domain", "nope"], "--domain"),
+    ("sampler/bench.py", ["--tasks", "0"], "--tasks"),
+    ("sampler/bench.py", ["--bench", "--rows", "8,x"], "--rows"),
 ]
 
 
@@ -62,7 +62,7 @@ def test_each_bad_flag_is_one_line_naming_it_and_exit_2(capsys, monkeypatch, scr
     module = importlib.import_module(script[:-3].replace("/", "."))
     monkeypatch.setattr(sys, "argv", [script, *flags])
     with pytest.raises(SystemExit) as e:
-        module.parse_args(flags) if script != "sampler/fast.py" else module.main()
+        module.parse_args(flags) if script != "sampler/bench.py" else module.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and flag in err[0], err
 
@@ -74,8 +74,8 @@ FIRST_OF_EACH_SCRIPT = [c for i, c in enumerate(CASES) if c[0] not in {s for s, 
 def test_from_the_command_line_no_model_loads_and_no_out_dir_is_left(tmp_path, script, flags, flag):
     cache, out = tmp_path / "cache", tmp_path / "out"
     cache.mkdir()
-    argv = [sys.executable, script, *flags, "--out", str(out)] if script != "sampler/fast.py" else \
-        [sys.executable, "-m", "sampler.fast", *flags]
+    argv = [sys.executable, script, *flags, "--out", str(out)] if script != "sampler/bench.py" else \
+        [sys.executable, "-m", "sampler.bench", *flags]
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "MUA_RL_CACHE": str(cache)})
     lines = r.stderr.strip().splitlines()
