@@ -339,8 +339,8 @@ class OpenAIUser(LLMUser):
         if error is not None:
             raise UserSimulatorError(
                 f"user simulator {self.model!r} at {self.client.base_url} failed after {sent} attempt(s): "
-                f"{type(error).__name__}: {str(error)[:200]}. Check that the server is up and serves this model "
-                f"(OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
+                f"{type(error).__name__}: {str(error)[:200].rstrip('.')}. Check that the server is up and serves "
+                f"this model (OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
         self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
         self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
         return message
