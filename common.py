@@ -124,8 +124,8 @@ def add_user_args(p: Parser, default="scripted", several=False):
                    "PERSONA: one no training uses, users.PERSONAS)" + ("; a comma list evaluates under each" * several))
     g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
-    p.group("performance").add_argument("--user-workers", type=int, default=16, help="LLM users asked at once "
-                                        "(each round's replies)")
+    p.group("performance").add_argument("--user-workers", type=int, default=256, help="LLM users asked at once "
+                                        "(each round's replies; 256 = a paper-sized round all in flight)")
 
 
 def add_episode_args(p: Parser, tokens: bool = True):

@@ -421,7 +421,7 @@ def user_turn(traj, said, fmt):
 
 def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
-                 user_workers: int = 16, first_trial: int = 0, **user_kw) -> list[Trajectory]:
+                 user_workers: int = 256, first_trial: int = 0, **user_kw) -> list[Trajectory]:
     """len(tasks) * group_size rollouts, task-major: trials first_trial .. first_trial + group_size - 1 of each
     task (rl.py --screen samples a group's first trials, then the rest of some). Each round every conversation
     waiting on the agent is advanced by one agent.act() call; then each runs its tool call or gets its user's

@@ -14,7 +14,7 @@ import functools
 import os
 import random
 import re
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 # fact key -> lowercase words an agent would use to ask for it (the scripted user matches these)
@@ -257,65 +257,93 @@ class LLMUser(User):
         return self._complete(messages)
 
 
+_sending = threading.local()   # .usage: the counters of the user whose request this thread is sending
+
+
+def _count_request(request):
+    """The HTTP client's request hook: it runs for every request the openai client sends, each of its retries
+    included, in the thread that asked; the client is shared, so the thread says whose request it is."""
+    usage = getattr(_sending, "usage", None)
+    if usage is not None:
+        usage["requests"] += 1
+
+
 @functools.lru_cache(maxsize=None)
 def openai_client(base_url, api_key, timeout):
     """One client per server for all users of a run (a GRPO step makes 256 users): one pool of open
-    connections instead of a new client, certificates and connections per conversation."""
+    connections instead of a new client, certificates and connections per conversation. The client does the
+    retrying (as many times as each call's with_options(max_retries=) allows): 408, 409, 429, 5xx, timeouts and
+    dropped or refused connections, waiting what the server's Retry-After says (up to 2 min) or else
+    0.5 * 2**k s (at most 8 s) less up to 25% jitter. timeout: seconds for each HTTP request."""
     import openai
-    return openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)   # retries: ours
+    http = openai.DefaultHttpx2Client(event_hooks={"request": [_count_request]})   # its default pool: 1000 connections
+    return openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, http_client=http)
+
+
+def chat_message(response):
+    """The message of a chat completion -> it, or ValueError for a 200 whose body is not one (no choices, no
+    message, neither text nor tool calls): what the openai client does not check."""
+    choice = (getattr(response, "choices", None) or [None])[0]   # a body that is not JSON can come back as a str
+    message = getattr(choice, "message", None)
+    text = getattr(message, "content", None)
+    if not (isinstance(text, str) and text.strip()) and not getattr(message, "tool_calls", None):
+        raise ValueError(f"no message in the response: {str(response)[:100]!r}")
+    return message
 
 
 class OpenAIUser(LLMUser):
     """User simulator behind any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp).
-    base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. Retries, sleeping backoff * 2**k s,
-    on 408/409/429/5xx, timeouts, refused connections and bodies that are not a chat completion; other
-    HTTP errors (401 bad key, 404 unknown model) fail at once. usage also counts requests and retries."""
-    RETRY_STATUS = (408, 409, 429)
+    base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. A message may take max_retries + 1 requests:
+    the openai client retries what the network and the server get wrong (openai_client), and this class asks again,
+    at once and from the same budget, when a 200 carries no message (a body that is not JSON, not a chat
+    completion, or empty). Other HTTP errors (401 bad key, 404 unknown model) fail at once. A message that fails
+    raises UserSimulatorError. usage also counts requests (every HTTP request sent) and retries (those beyond the
+    first of a message)."""
     concurrent = True      # it waits on the network; its client is thread-safe
 
-    def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=4,
-                 temperature=0.0, max_tokens=256, backoff=1.0):
-        super().__init__(task)
-        self.model, self.max_retries, self.backoff = model, max_retries, backoff
+    def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=6,
+                 temperature=0.0, max_tokens=256):
+        super().__init__(task)   # max_retries 6: the client's waits add up to 18-24 s, a server restart ridden out
+        self.model, self.max_retries = model, max_retries
         self.temperature, self.max_tokens = temperature, max_tokens
         self.client = openai_client(base_url or os.environ.get("OPENAI_BASE_URL"),
-                                    api_key or os.environ.get("OPENAI_API_KEY") or "none", timeout)  # local servers ignore the key
+                                    api_key or os.environ.get("OPENAI_API_KEY") or "none",   # local servers ignore it
+                                    timeout)
         self.usage.update(requests=0, retries=0)
 
     def _complete(self, messages: list[dict]) -> str:
         return (self._request(user_sim_messages(self.task, messages)).content or "").strip()
 
     def _request(self, chat: list[dict], tools: list[dict] | None = None):
-        """One chat completion, retried as above -> its message (with text, or tool calls when tools are given)."""
+        """One chat completion -> its message (with text, or tool calls when tools are given)."""
         import openai
-        last, attempts = None, 0
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self.usage["retries"] += 1
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            attempts += 1
-            self.usage["requests"] += 1
+        first, no_message = self.usage["requests"], (ValueError, openai.APIResponseValidationError)
+        while True:
+            left = self.max_retries - (self.usage["requests"] - first)   # the client gets what the budget has left
+            _sending.usage, error = self.usage, None
             try:
-                r = self.client.chat.completions.create(model=self.model, messages=chat, temperature=self.temperature,
-                                                        max_tokens=self.max_tokens, **({"tools": tools} if tools else {}))
-                choice = (getattr(r, "choices", None) or [None])[0]   # a non-JSON body can come back as a str
-                message = getattr(choice, "message", None)
-                if not isinstance(getattr(message, "content", None), str) and not getattr(message, "tool_calls", None):
-                    raise ValueError(f"no message text in the response: {str(r)[:100]!r}")
-            except openai.APIStatusError as e:
-                last = e
-                if e.status_code not in self.RETRY_STATUS and e.status_code < 500:
-                    break   # wrong key, model or URL: retrying cannot help
-            except (openai.APIConnectionError, openai.APIResponseValidationError, ValueError) as e:
-                last = e    # down, timed out, or garbage (JSONDecodeError is a ValueError)
-            else:
-                self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
-                self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
-                return message
-        raise UserSimulatorError(
-            f"user simulator {self.model!r} at {self.client.base_url} failed after {attempts} attempt(s): "
-            f"{type(last).__name__}: {str(last)[:200]}. Check that the server is up and serves this model "
-            f"(OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
+                r = self.client.with_options(max_retries=left).chat.completions.create(
+                    model=self.model, messages=chat, temperature=self.temperature, max_tokens=self.max_tokens,
+                    **({"tools": tools} if tools else {}))
+                message = chat_message(r)
+            except no_message as e:               # a 200 without a message (a body that is not JSON: JSONDecodeError)
+                error = e
+            except openai.APIError as e:          # the client's retries are spent, or retrying cannot help (401, 404)
+                error = e
+            finally:
+                _sending.usage = None
+            sent = self.usage["requests"] - first
+            if not (isinstance(error, no_message) and sent <= self.max_retries):   # only a 200 without one: again
+                break
+        self.usage["retries"] += max(sent - 1, 0)
+        if error is not None:
+            raise UserSimulatorError(
+                f"user simulator {self.model!r} at {self.client.base_url} failed after {sent} attempt(s): "
+                f"{type(error).__name__}: {str(error)[:200].rstrip('.')}. Check that the server is up and serves "
+                f"this model (OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
+        self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
+        self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
+        return message
 
 
 class LocalUser(LLMUser):
@@ -340,9 +368,11 @@ class LocalUser(LLMUser):
 
 
 def ask_users(calls: list, workers: int) -> list:
-    """Call each of calls (a user writing its next message), up to `workers` at once when workers > 1: an
-    LLM user waits on the network, and a round at paper scale asks 256 of them. -> the messages in order,
-    an exception in place of a message that failed (after the user's own retries)."""
+    """Call each of calls (a user writing its next message), all at once up to `workers` when workers > 1: an
+    LLM user waits on the network, and a round at paper scale asks 256 of them, so the round should wait on its
+    slowest user, not on a queue (--user-workers, default 256). workers 1: one after another, in order (a
+    scripted user: the same tokens every run). -> the messages in order, an exception in place of a message that
+    failed (after the client's retries)."""
     def call(fn):
         try:
             return fn()

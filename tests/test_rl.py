@@ -590,6 +590,33 @@ def test_a_rollout_whose_user_failed_is_left_out_and_the_rest_of_its_group_train
     assert m["per_group"][0]["trained"] and len(set(m["per_group"][0]["rewards"])) > 1
 
 
+@pytest.mark.slow
+def test_a_user_server_gone_for_good_stops_the_run_with_one_line_and_the_last_checkpoint_survives(tmp_path,
+                                                                                                 tiny_model_dir):
+    """Step 1 with an LLM user over tests/fault_server.py (it plays the scripted user); then the server is gone for
+    good and the run goes on to step 2: every rollout loses its simulator, rl.py stops with one line past
+    --max-sim-failures (no traceback), and step 1's checkpoint is still there, unchanged, to resume from."""
+    import common
+    import envs
+    from fault_server import FaultServer
+    pool = envs.make_tasks("retail", "train", rl_module.TASK_POOL, ["hard"], 4)
+    run = ["--model", os.path.join(tiny_model_dir, "model"), "--max-turns", "1", "--domains", "retail", "--tiers",
+           "hard", "--draw", "2", "--group-size", "4", "--eval-every", "0", "--ckpt-every", "1", "--seed", "4",
+           "--user", "openai:scripted"]
+    with FaultServer(pool) as srv:
+        first = run_rl(tmp_path, *run, "--user-base-url", srv.url, "--steps", "1", init=os.path.join(tiny_model_dir, "sft"))
+    assert first.returncode == 0 and srv.requests >= 8, first.stdout[-3000:] + first.stderr[-3000:]
+    adapter = (tmp_path / "ckpt-000001" / "adapter" / "adapter_model.safetensors").read_bytes()
+    gone = run_rl(tmp_path, *run, "--user-base-url", srv.url, "--steps", "2", init=os.path.join(tiny_model_dir, "sft"))
+    said = [line for line in gone.stderr.replace("\r", "\n").splitlines() if "lost their simulator" in line]
+    print(said)
+    assert gone.returncode == 1 and "Traceback" not in gone.stderr and len(said) == 1
+    assert said[0].startswith("step 2: 8 of 8 rollouts lost their simulator, more than --max-sim-failures 0.25")
+    assert [os.path.basename(c) for c in common.checkpoints(tmp_path)] == ["ckpt-000001"]
+    assert (tmp_path / "ckpt-000001" / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1]
+
+
 def test_replaying_saved_rollouts_compares_update_rules_on_identical_rollouts(tmp_path, tiny_model_dir, uninterrupted):
     """--rollouts DIR trains on another run's saved rollouts instead of sampling: with the same update rule it
     ends at exactly that run's adapter; with another (seq-mean) every step sees the same groups, rewards and

@@ -36,7 +36,7 @@ AGENT_VIEW = [
 
 
 def user_for(url, **kw):
-    kw = {"timeout": 2.0, "max_retries": 3, "backoff": 0.01, **kw}
+    kw = {"timeout": 2.0, "max_retries": 3, **kw}
     return U.OpenAIUser(TASK, "sim-model", base_url=url, api_key="test-key", **kw)
 
 
@@ -107,7 +107,8 @@ def test_slow_server_times_out_then_retry_succeeds():
         user = user_for(srv.url, timeout=0.3)
         t0 = time.time()
         assert user.first_message() == "Yes, please cancel it."
-        assert 0.3 <= time.time() - t0 < 1.0   # gave up on the slow request at the timeout, not after 1 s
+        assert 0.3 + 0.375 <= time.time() - t0 < 1.3   # gave up at the timeout, then the client's backoff (0.5 s
+                                                      # less up to 25% jitter), not after the slow second
     assert len(srv.requests) == 2 and user.usage["retries"] == 1
     assert user.usage["prompt_tokens"] == 50   # only the answered request counts
 
@@ -122,32 +123,34 @@ def test_always_slow_server_raises_timeout_error():
 
 @pytest.mark.parametrize("fault", ["500", "429", "garbage", "nochoices"])
 def test_transient_fault_then_success_is_retried_and_counted(fault):
-    with FakeServer(fault, fault, "ok") as srv:
+    with FakeServer(fault, "ok") as srv:
         user = user_for(srv.url)
         assert user.reply(AGENT_VIEW) == "Yes, please cancel it."
-    assert len(srv.requests) == 3
-    assert user.usage == {"prompt_tokens": 50, "completion_tokens": 7, "requests": 3, "retries": 2}
+    assert len(srv.requests) == 2
+    assert user.usage == {"prompt_tokens": 50, "completion_tokens": 7, "requests": 2, "retries": 1}
 
 
 @pytest.mark.parametrize("fault,name", [("500", "InternalServerError"), ("429", "RateLimitError"),
                                         ("garbage", "JSONDecodeError"), ("nochoices", "ValueError")])
 def test_persistent_fault_raises_after_max_retries(fault, name):
     with FakeServer(fault) as srv:
-        user = user_for(srv.url, max_retries=2)
+        user = user_for(srv.url, max_retries=1)
         with pytest.raises(U.UserSimulatorError) as err:
             user.first_message()
-    assert len(srv.requests) == 3   # 1 try + 2 retries, then stop
+    assert len(srv.requests) == 2 and user.usage["retries"] == 1   # 1 try + 1 retry, then stop
     assert name in str(err.value) and srv.url in str(err.value)
 
 
-def test_backoff_is_exponential():
+def test_retries_wait_the_clients_exponential_backoff():
     with FakeServer("500") as srv:
-        user = user_for(srv.url, max_retries=3, backoff=0.1)
+        user = user_for(srv.url, max_retries=2)
         t0 = time.time()
         with pytest.raises(U.UserSimulatorError):
             user.first_message()
         elapsed = time.time() - t0
-    assert 0.7 <= elapsed < 2.0   # sleeps 0.1 + 0.2 + 0.4 between the 4 attempts
+    gaps = [b["t"] - a["t"] for a, b in zip(srv.requests, srv.requests[1:])]
+    print(f"\n3 attempts in {elapsed:.2f} s, gaps {[round(g, 2) for g in gaps]}")
+    assert 0.375 <= gaps[0] < 0.7 and 0.75 <= gaps[1] < 1.3   # 0.5 s, then 1 s, each less up to 25% jitter
 
 
 def test_auth_error_is_not_retried():
@@ -209,7 +212,7 @@ def test_a_failing_user_ends_only_its_own_rollout_and_retries_stay_per_conversat
             return "429" if len(flaky_replies) == 1 else "ok"
         return "ok"
     with FakeServer(route) as srv:
-        a, b, c = llm_user_episodes(srv.url, tasks, max_turns=2, max_retries=2, backoff=0.01)
+        a, b, c = llm_user_episodes(srv.url, tasks, max_turns=2, max_retries=2)
     print(f"\nbroken: {a.stop_reason} {a.stats['error'][:90]!r}")
     assert a.stop_reason == "error" and a.turns == 1
     assert "UserSimulatorError" in a.stats["error"] and "InternalServerError" in a.stats["error"]
