@@ -271,5 +271,10 @@ def test_openai_user_against_llama_cpp_server(llama_server):
     second = user.reply(messages)
     print(f"\nfirst: {first!r}\nsecond: {second!r}\nusage: {user.usage}")
     assert first.strip() and second.strip()
+    for said in (first, second):     # what reaches the agent is a user's plain text: no template, role or tool syntax
+        assert not any(t in said for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "<think>")), said
+        assert not said.lower().lstrip().startswith(("assistant:", "user:", "system:")), said
+    assert first.strip() != U.AGENT_GREETING and U.STOP not in first     # the user opens; it does not echo or end
+    assert second != first                                               # it answered the agent's new question
     assert user.usage["requests"] == 2 and user.usage["retries"] == 0
     assert user.usage["prompt_tokens"] > 100 and 0 < user.usage["completion_tokens"] <= 96
