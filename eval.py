@@ -1,14 +1,14 @@
 """Evaluation: pass^k on held-out tasks (base vs SFT vs RL), paired comparisons, τ², BFCL, ACEBench, failures.
 
 What it does
-  1. pass^k on the held-out test split of any world (envs.py: our retail and airline, τ²-bench's domains,
+  1. pass^k on the held-out test split of any world (envs/: our retail and airline, τ²-bench's domains,
      ACEBench's agent category, BFCL-v3 multi-turn's four categories), tau-bench's definition:
      pass^k = mean over tasks of C(c, k) / C(n, k), where c of n trials succeeded (reward 1.0),
      with a bootstrap 95% CI over tasks, overall, per domain and per scenario. All trials of all
      tasks go through ONE rollout.run_episodes call (the same loop and user simulators as training);
      a benchmark world prints its comparison with the paper (envs.reports).
   2. Paired comparisons of every two agents on the same tasks and user seeds (pair_up).
-  3. Beside pass^1, what the agent did (behaviour, METRICS; README "Metrics"): the correct end state however the
+  3. Beside pass^1, what the agent did (behaviour, METRICS; docs/reference.md "Metrics"): the correct end state however the
      episode ended, finished (not cut off at the turn cap, which scores 0 as in τ²-bench: ours.Env.reward),
      asked before writing, the withheld facts it asked for, turns; per agent and domain, and any of them can be
      the paired comparison's metric (--paired-metric). Under several users (--user scripted,none) every agent
@@ -387,7 +387,7 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
                 f" ({c['turns']} turns)"]
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-"]
         lines.append(f"| {a} | " + " | ".join(row) + " |")
-    lines += ["", "What the agents did (README, Metrics): each metric's mean over the episodes it applies to, with "
+    lines += ["", "What the agents did (docs/reference.md, Metrics): each metric's mean over the episodes it applies to, with "
               "their number where it is not every episode's.", "",
               "| agent | domain | episodes | " + " | ".join(METRICS.values()) + " |", "|---" * (len(METRICS) + 3) + "|"]
     cell = lambda v, n=0: "-" if v["mean"] is None else f"{v['mean']:.3f}" + f" ({v['n']})" * (v["n"] < n)  # noqa: E731

@@ -76,7 +76,7 @@ def parse_args(argv=None):
     for name in KIT:
         if importlib.util.find_spec(name) is None:
             common.fail(name, "not importable: build the carry kit with `bash scripts/gpu_kit.sh` and install it "
-                        "(README, GPU check)")
+                        "(docs/gpu.md, the GPU check)")
     if not os.path.isfile(os.path.join(args.tokenizer, "tokenizer.json")) and not args.cpu:
         common.fail("--tokenizer", f"{args.tokenizer} holds no tokenizer.json: build the carry kit with "
                     "`bash scripts/gpu_kit.sh`")
