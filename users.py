@@ -165,11 +165,30 @@ class AsksBackFirst:
         return super().reply(messages)
 
 
-class CuriousUser(AsksBackFirst, ScriptedUser):
+class OneFactAReply:
+    """Mixin for a persona that, asked for several facts, gives one a reply: of those asked that it has not given
+    yet, the first (WHICH = 0) or the last (WHICH = -1); asked again only for given ones, that one again. (Asked
+    "your email address" after giving the address, it gives the email, though "address" was asked too.)"""
+    WHICH = 0
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task, seed, patience)
+        self.given = set()
+
+    def _answer(self, asked: list[str]) -> list[str]:
+        if not asked:
+            return []
+        key = ([k for k in asked if k not in self.given] or asked)[self.WHICH]
+        self.given.add(key)
+        return [self._fact(key)]
+
+
+class CuriousUser(AsksBackFirst, OneFactAReply, ScriptedUser):
     """Persona "curious" (held out): does an agent trained with other users overfit them? Other words for
     everything; an opening that names the request but none of the ids an easy task's opening gives (so the agent
-    has to ask); asked for several facts, it gives one, the last asked; and it answers the first request to confirm
-    with a question of its own, deciding only when asked again (AsksBackFirst)."""
+    has to ask); asked for several facts, it gives one, the last asked (OneFactAReply); and it answers the first
+    request to confirm with a question of its own, deciding only when asked again (AsksBackFirst)."""
+    WHICH = -1
 
     GREET = ("", "Hello! ", "Hi there. ", "Evening. ")
     YES = ("Sure, do it.", "Yep, that's what I want, go ahead.", "That is correct.", "Sure.")
@@ -187,8 +206,6 @@ class CuriousUser(AsksBackFirst, ScriptedUser):
     def _fact(self, key: str) -> str:
         return f"The {key.replace('_', ' ')}: {self.task.hidden_facts[key]}."
 
-    def _answer(self, asked: list[str]) -> list[str]:
-        return [self._fact(asked[-1])] if asked else []
 
 
 class TerseUser(ScriptedUser):
@@ -216,10 +233,10 @@ class TerseUser(ScriptedUser):
         return super()._answer(asked)
 
 
-class ChattyUser(AsksBackFirst, ScriptedUser):
+class ChattyUser(AsksBackFirst, OneFactAReply, ScriptedUser):
     """Persona "chatty" (training): every message carries a detail that has nothing to do with the request; asked
-    for several facts, it gives one, the first asked; it meets the first request to confirm with a question back
-    (AsksBackFirst)."""
+    for several facts, it gives one, the first asked (OneFactAReply); it meets the first request to confirm with a
+    question back (AsksBackFirst)."""
 
     GREET = ("Hi hi! ", "Hello there, hope your day is going well! ", "Oh hello! ")
     YES = ("Yes, please go ahead with that.", "Yes! That's exactly it, go ahead.", "Yes, that's the one, thanks.")
@@ -233,9 +250,6 @@ class ChattyUser(AsksBackFirst, ScriptedUser):
     ASIDES = ("My cat just walked across the keyboard, sorry.", "I'm typing this on the bus, so bear with me.",
               "It's been raining here all week.", "My neighbour is drilling again, it's so loud.",
               "I had the best coffee this morning.", "My sister says hi, she's reading over my shoulder.")
-
-    def _answer(self, asked: list[str]) -> list[str]:
-        return [self._fact(asked[0])] if asked else []
 
     def first_message(self) -> str:
         return f"{super().first_message()} {self.rng.choice(self.ASIDES)}"
