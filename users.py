@@ -302,6 +302,7 @@ class LiteralUser(ScriptedUser):
 
     def reply(self, messages: list[dict]) -> str:
         said = [visible_text(m["content"]).lower() for m in messages if m["role"] == "assistant"]
+        # the facts the agent's last message names by their own name; _answer keeps only those
         self._by_name = [k for k in self.task.hidden_facts if said and re.search(r"\b" + k.replace("_", " "), said[-1])]
         return super().reply(messages)
 
