@@ -33,7 +33,6 @@ from kernels import masked_logprobs_chunked
 # The CPU presets' episode limits, shared so that RL trains on what eval measures: the easy tasks need
 # 5 agent turns and one correction after a "no" needs 2 more; 80 tokens hold the longest oracle message.
 CPU_LIMITS = dict(max_turns=7, max_new_tokens=80, max_context=3072)
-USERS = "scripted | scripted:PERSONA | none | local | oracle | openai:MODEL"
 TIERS = ("easy", "medium", "hard")
 
 
@@ -119,9 +118,11 @@ def add_model_args(p: Parser, model_default=None, sampler=True):
 
 
 def add_user_args(p: Parser, default="scripted", several=False):
+    import users
     g = p.group("world")
-    g.add_argument("--user", default=default, help=f"user simulator: {USERS} (none: the whole instruction up front; "
-                   "PERSONA: one no training uses, users.PERSONAS)" + ("; a comma list evaluates under each" * several))
+    g.add_argument("--user", default=default, help=f"user simulator: {users.user_help()} (users.USER_KINDS; "
+                   "personas and their train / held-out split: users.PERSONAS)" + ("; a comma list evaluates under "
+                   "each" * several))
     g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
     p.group("performance").add_argument("--user-workers", type=int, default=256, help="LLM users asked at once "
@@ -172,10 +173,11 @@ def add_grpo_args(p: Parser):
                    "backward (GPU on; CPU off, which lets the system prompt run once per pass)")
 
 
-def check_args(args, at_least=None, finite=None, several_users=False):
+def check_args(args, at_least=None, finite=None, several_users=False, training=False):
     """Exit 2 with one line on the first bad value, before any model loads or any file is written.
     at_least: {flag name: minimum} for ints; finite: {flag name: (low, strict)} for floats (value > low if
-    strict, else >= low); several_users: --user may be a comma list (eval.py)."""
+    strict, else >= low); several_users: --user may be a comma list (eval.py); training: a stage that trains on
+    --user's conversations (no held-out persona)."""
     import users
     import envs
     for name, low in (at_least or {}).items():
@@ -194,13 +196,10 @@ def check_args(args, at_least=None, finite=None, several_users=False):
         for t in args.tiers.split(","):
             if t not in TIERS:
                 fail("--tiers", f"unknown tier {t!r}; use a comma list of {', '.join(TIERS)}")
-    if getattr(args, "user", None) is not None:
+    if getattr(args, "user", None) is not None:       # users.USER_KINDS and users.PERSONAS say what is valid
         for u in args.user.split(",") if several_users else [args.user]:
-            if u.startswith("scripted:") and u[9:] not in users.PERSONAS:
-                fail("--user", f"unknown persona {u[9:]!r}; use scripted:{' or scripted:'.join(users.PERSONAS)}")
-            if u not in ("scripted", "none", "local", "oracle") and not u.startswith("scripted:") and \
-                    not (u.startswith("openai:") and len(u) > 7):
-                fail("--user", f"unknown user simulator {u!r}; use {USERS}")
+            if error := users.check_user(u, training):
+                fail("--user", error)
     ctx, new = getattr(args, "max_context", None), getattr(args, "max_new_tokens", None)
     if ctx is not None and new is not None and ctx <= new:
         fail("--max-context", f"{ctx} leaves no room for the prompt beside --max-new-tokens {new}; raise it")

@@ -13,7 +13,9 @@ What it does
      asked before writing, the withheld facts it asked for, turns; per agent and domain, and any of them can be
      the paired comparison's metric (--paired-metric). Under several users (--user scripted,none) every agent
      meets each, and a grid of agents x users shows the metric: the 2 x 2 of trained with / without a user
-     against evaluated with / without one (scripts/claims.sh runs it).
+     against evaluated with / without one (scripts/claims.sh runs it). Under each rule-based user (scripted, its
+     personas, none) the gold agent's own metrics stand beside them as the "ceiling": what the limits let a careful
+     agent reach (eval.ceiling).
   4. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
      with another user seed and flagged `user_sim_suspect` if they then succeed (tau2-bench found
      user-simulator errors behind up to 30% of retail failures).
@@ -29,7 +31,7 @@ Run
   python eval.py --domains bfcl-base,bfcl-miss-func,bfcl-miss-param,bfcl-long-context --n-tasks 20 \
                  --max-turns 80 --max-context 16384    # BFCL multi-turn: the first 20 entries of each category
   python eval.py --smoke --out /tmp/eval          # tiny, < 2 min on CPU (tests/test_eval.py)
-  Writes under --out (default runs/eval): args.json, results.json, results.md, eval.png,
+  Writes under --out (default runs/eval): args.json, results.json (agents, paired, ceiling), results.md, eval.png,
   failures_<agent>.jsonl, episodes_<agent>.jsonl, done/ (each agent and user evaluated, with its adapter's digest:
   a killed run, rerun, evaluates only what is left, a rerun with more --agents or --user only what is new, and an
   adapter trained again at the same path anew). `python scripts/viewer.py
@@ -302,6 +304,45 @@ def behaviour(values: dict, domain_of: dict) -> dict:
                           if v is not None]) for m, per_task in values.items()} for g in groups}
 
 
+CEILING_USERS = ("scripted", "none")   # rule-based users: the gold agent's score under them costs no model or server
+
+
+def ceiling(tok, tasks, user: str, args) -> dict | None:
+    """The ceiling: the gold agent (envs/oracle.py via rollout.OracleAgent) under `user`, on the eval's tasks of our domains,
+    with its trials, user seeds and episode limits: what a careful agent can reach there. Below 1, the turn cap or
+    the context cuts tasks that can be solved, and no agent can pass them. -> {"behaviour" (as evaluate's),
+    "longest": its longest episode in agent turns, "stop_reasons", "episodes"}; None under an LLM user (each of its
+    replies costs a call) or with no task of ours (a benchmark's gold agent needs its own gold user)."""
+    procedural = [t for t in tasks if envs.DOMAINS[t.domain] == "ours"]
+    if user.partition(":")[0] not in CEILING_USERS or not procedural:
+        return None
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, procedural, group_size=args.trials, user=user,
+                                 seed=args.seed, max_turns=args.max_turns, max_context=args.max_context,
+                                 progress=False)
+    values, by_id = {m: defaultdict(list) for m in METRICS}, {t.id: t for t in procedural}
+    for tr in trajs:
+        for m, v in episode_metrics(by_id[tr.task_id], tr).items():
+            values[m][tr.task_id].append(v)
+    return {"behaviour": behaviour(values, {t.id: t.domain for t in procedural}),
+            "longest": max(tr.turns for tr in trajs), "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "episodes": len(trajs)}
+
+
+def ceiling_markdown(ceilings: dict) -> str:
+    """The ceiling rows, one per user and domain: the behaviour table's columns and the longest episode."""
+    if not ceilings:
+        return ""
+    lines = ["", "Ceiling: the gold agent (envs/oracle.py) under each user, on the same tasks, trials, user seeds and limits; "
+             "below 1, the limits cut tasks that can be solved.", "",
+             "| ceiling | user | domain | episodes | " + " | ".join(METRICS.values()) + " | longest episode |",
+             "|---" * (len(METRICS) + 5) + "|"]
+    for user, c in ceilings.items():
+        for g, b in c["behaviour"].items():
+            cells = ["-" if b[m]["mean"] is None else f"{b[m]['mean']:.3f}" for m in METRICS]
+            lines.append(f"| gold agent | {user} | {g} | {b['pass1']['n']} | " + " | ".join(cells) +
+                         f" | {c['longest'] if g == 'all' else ''} |")
+    return "\n".join(lines) + "\n"
+
+
 def facts_asked(task, traj) -> float | None:
     """Of the facts the task needs that the user's opening withheld (oracle.withheld), the share the agent's text
     asked for (users.asked_for: the words the scripted user listens for). None when none was withheld (an easy
@@ -372,8 +413,10 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
     groups = [(g, s) for key in ("per_domain", "per_tier") for g, s in first[key].items()]
     fmt = lambda s, k: f"{s['pass^k'][k]:.3f} [{s['ci'][k][0]:.2f}, {s['ci'][k][1]:.2f}]"
     counts = ", ".join(f"{g}: {s['n_tasks']}" for g, s in groups)
+    met = {r.get("user") for r in results.values()}               # several users: each label names its own
+    under = f", user {met.pop()}" if len(met) == 1 and None not in met else ""
     lines = [f"Held-out test tasks: {first['overall']['n_tasks']} ({counts}), {first['overall']['trials']} trials "
-             "each; pass^k with 95% bootstrap CI over tasks.", "",
+             f"each{under}; pass^k with 95% bootstrap CI over tasks.", "",
              "| agent | " + " | ".join(f"pass^{k}" for k in ks) + " | " +
              " | ".join(f"{g} pass^1" for g, _ in groups) + " | tool calls ok / err / malformed per 100 "
              "turns | user-sim suspects |",
@@ -537,7 +580,7 @@ def main(argv=None):
         for user in user_specs:
             label = name if len(user_specs) == 1 else f"{name} @ {user}"
             if (tau := done_before(args, name, user, digest)) is not None:
-                results[label] = {"tau": tau}
+                results[label] = {"tau": tau, "user": user}
                 continue
             if agent is None:               # loaded only for what is left to evaluate
                 if (built := build_agent(name, args)) is None:
@@ -548,7 +591,7 @@ def main(argv=None):
             print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {user}")
             tau = evaluate(agent, tok, tasks, args.trials, user, args.seed, args.max_turns, args.max_context,
                            recheck=args.recheck, n_boot=args.n_boot, **user_kw)
-            results[label] = {"tau": tau}
+            results[label] = {"tau": tau, "user": user}
             with open(out_file(args, "failures_", label, ".jsonl"), "w") as f:
                 for rec in tau["failures"]:
                     f.write(json.dumps(rec) + "\n")
@@ -565,14 +608,19 @@ def main(argv=None):
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")
     for r in results.values():              # the failures live in their own files
         r["tau"]["n_failed"] = len(r["tau"].pop("failures"))
+    gold_tok = rollout.load_tokenizer(args.model or rollout.DEFAULT_MODEL)   # the gold agent only counts tokens
+    ceilings = {u: c for u in user_specs if (c := ceiling(gold_tok, tasks, u, args)) is not None}
+    for u, c in ceilings.items():
+        print(f"ceiling @ {u}: " + "  ".join(f"{METRICS[m]} {v['mean']:.3f}" for m, v in c["behaviour"]["all"].items()
+                                              if v["mean"] is not None) + f"  longest episode {c['longest']} turns")
     pairs = {m: pair_up(results, {t.id: t.domain for t in tasks}, args.seed, m) for m in metrics}
     all_pairs = {m: overall | per_domain for m, (overall, per_domain) in pairs.items()}   # the plot: overall only
-    table = markdown(results, all_pairs) + paper_tables(results)
+    table = markdown(results, all_pairs) + ceiling_markdown(ceilings) + paper_tables(results)
     print(table)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"agents": results, "paired": all_pairs}, f, indent=2)
+        json.dump({"agents": results, "paired": all_pairs, "ceiling": ceilings}, f, indent=2)
     plot(results, os.path.join(args.out, "eval.png"), pairs[metrics[0]][0], metrics[0])
     print(f"wrote {args.out}/results.md, results.json, eval.png")
     return results

@@ -115,7 +115,7 @@ def parse_args(argv=None):
                                           epochs=1, batch_size=1, micro_batch_size=1, max_len=2, max_steps=1,
                                           lora_r=1, save_every=1, stop_after=1),
                       finite=dict(lr=(0, True), warmup_ratio=(0, False), weight_decay=(0, False),
-                                  max_grad_norm=(0, True), lora_dropout=(0, False)))
+                                  max_grad_norm=(0, True), lora_dropout=(0, False)), training=True)
     if args.batch_size % args.micro_batch_size:
         common.fail("--batch-size", f"{args.batch_size} is not a multiple of --micro-batch-size {args.micro_batch_size}")
     if args.warmup_ratio > 1 or args.lora_dropout >= 1:

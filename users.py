@@ -3,10 +3,13 @@
 A user gets its task (instruction, opening, hidden facts) and the agent's visible text, never the tools,
 the policy or the DB. One interface, User.first_message() / User.reply(messages), four implementations:
   ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user); its personas
-                (--user scripted:NAME, PERSONAS) speak and reveal differently, and no training uses them
+                (--user scripted:NAME, the table PERSONAS) reveal, confirm and speak differently, split like
+                tasks: training ones (scripted:train draws one per conversation) and held-out ones no stage
+                trains on
   OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
   LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
+USER_KINDS is the table of --user kinds (make_user builds from it, common.check_args validates with it).
 rollout.run_episodes asks them for replies (ask_users: many LLM users at once); imports nothing of ours.
 """
 import contextlib
@@ -16,6 +19,7 @@ import random
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 # fact key -> lowercase words an agent would use to ask for it (the scripted user matches these)
 FACT_KEYWORDS = {
@@ -143,33 +147,15 @@ class ScriptedUser(User):
         return " ".join(facts or [self.rng.choice(self.NUDGE)] + [self.opening] * (self.rng.random() < 0.5))
 
 
-class CuriousUser(ScriptedUser):
-    """Persona "curious" (--user scripted:curious), for evaluation only: does an agent trained with ScriptedUser
-    overfit it? Other words for everything; an opening that names the request but none of the ids an easy task's
-    opening gives (so the agent has to ask); asked for several facts, it gives one, the last asked; and it answers
-    the first request to confirm with a question of its own, deciding only when asked again. The confirmation
-    rule (every value of the write named, no rival) is ScriptedUser's."""
-
-    GREET = ("", "Hello! ", "Hi there. ", "Evening. ")
-    YES = ("Sure, do it.", "Yep, that's what I want, go ahead.", "That is correct.", "Sure.")
-    NO = ("Nope, that's wrong.", "No, not like that.", "Nope, please don't.")
-    THANKS = ("Lovely, thanks a lot, bye!", "Got it, thanks, that's all I needed.", "Cheers, all good now.")
-    NUDGE = ("So, can you sort it out?", "What happens next?", "Anything you need from me?")
-    WAIT = ("Alright, please make the change now.", "Okay, I'm waiting for it to be done.", "Please carry on.")
+class AsksBackFirst:
+    """Mixin for a persona that meets the first request to confirm with a question of its own (BACK) and decides
+    only when asked again; the decision is then ScriptedUser's rule. Tasks without writes never ask to confirm."""
     BACK = ("Before I answer: will this cost me anything extra?", "Wait, can that be undone later if I change my mind?",
             "Hmm, how long will that take to go through?")
-    REQUESTS = {"cancel_order": "Could you cancel one of my orders for me?",     # openings without their ids
-                "add_bags": "I need extra checked luggage on one of my bookings."}
 
     def __init__(self, task, seed: int = 0, patience: int = 10):
         super().__init__(task, seed, patience)
-        self.opening, self.asked_back = self.REQUESTS.get(task.scenario, task.opening), False
-
-    def _fact(self, key: str) -> str:
-        return f"The {key.replace('_', ' ')}: {self.task.hidden_facts[key]}."
-
-    def _answer(self, asked: list[str]) -> list[str]:
-        return [self._fact(asked[-1])] if asked else []
+        self.asked_back = False
 
     def reply(self, messages: list[dict]) -> str:
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
@@ -179,7 +165,200 @@ class CuriousUser(ScriptedUser):
         return super().reply(messages)
 
 
-PERSONAS = {"curious": CuriousUser}      # --user scripted:NAME; plain "scripted" is ScriptedUser
+class OneFactAReply:
+    """Mixin for a persona that, asked for several facts, gives one a reply: of those asked that it has not given
+    yet, the first (WHICH = 0) or the last (WHICH = -1); asked again only for given ones, that one again. (Asked
+    "your email address" after giving the address, it gives the email, though "address" was asked too.)"""
+    WHICH = 0
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task, seed, patience)
+        self.given = set()
+
+    def _answer(self, asked: list[str]) -> list[str]:
+        if not asked:
+            return []
+        key = ([k for k in asked if k not in self.given] or asked)[self.WHICH]
+        self.given.add(key)
+        return [self._fact(key)]
+
+
+class CuriousUser(AsksBackFirst, OneFactAReply, ScriptedUser):
+    """Persona "curious" (held out): does an agent trained with other users overfit them? Other words for
+    everything; an opening that names the request but none of the ids an easy task's opening gives (so the agent
+    has to ask); asked for several facts, it gives one, the last asked (OneFactAReply); and it answers the first
+    request to confirm with a question of its own, deciding only when asked again (AsksBackFirst)."""
+    WHICH = -1
+
+    GREET = ("", "Hello! ", "Hi there. ", "Evening. ")
+    YES = ("Sure, do it.", "Yep, that's what I want, go ahead.", "That is correct.", "Sure.")
+    NO = ("Nope, that's wrong.", "No, not like that.", "Nope, please don't.")
+    THANKS = ("Lovely, thanks a lot, bye!", "Got it, thanks, that's all I needed.", "Cheers, all good now.")
+    NUDGE = ("So, can you sort it out?", "What happens next?", "Anything you need from me?")
+    WAIT = ("Alright, please make the change now.", "Okay, I'm waiting for it to be done.", "Please carry on.")
+    REQUESTS = {"cancel_order": "Could you cancel one of my orders for me?",     # openings without their ids
+                "add_bags": "I need extra checked luggage on one of my bookings."}
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task, seed, patience)
+        self.opening = self.REQUESTS.get(task.scenario, task.opening)
+
+    def _fact(self, key: str) -> str:
+        return f"The {key.replace('_', ' ')}: {self.task.hidden_facts[key]}."
+
+
+
+class TerseUser(ScriptedUser):
+    """Persona "terse" (training): no greeting, bare values, one-word answers; at the first question for any fact
+    it gives every fact it knows at once (later questions: the facts asked)."""
+
+    GREET = ("",)
+    YES = ("Yes.", "Yep.", "Yes, do it.")
+    NO = ("No.", "Nope.")
+    THANKS = ("Thanks. Bye.", "Ok, thanks.", "Fine, thanks.")
+    NUDGE = ("Well?", "And?", "So?")
+    WAIT = ("Do it.", "Go on.", "Make the change.")
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task, seed, patience)
+        self.told_all = False
+
+    def _fact(self, key: str) -> str:
+        return f"{key.replace('_', ' ')} {self.task.hidden_facts[key]}."
+
+    def _answer(self, asked: list[str]) -> list[str]:
+        if asked and not self.told_all:              # the first question gets everything it knows
+            self.told_all = True
+            return [self._fact(k) for k in self.task.hidden_facts]
+        return super()._answer(asked)
+
+
+class ChattyUser(AsksBackFirst, OneFactAReply, ScriptedUser):
+    """Persona "chatty" (training): every message carries a detail that has nothing to do with the request; asked
+    for several facts, it gives one, the first asked (OneFactAReply); it meets the first request to confirm with a
+    question back (AsksBackFirst)."""
+
+    GREET = ("Hi hi! ", "Hello there, hope your day is going well! ", "Oh hello! ")
+    YES = ("Yes, please go ahead with that.", "Yes! That's exactly it, go ahead.", "Yes, that's the one, thanks.")
+    NO = ("No no, that's not it.", "No, hold on, that's not what I meant.")
+    THANKS = ("Wonderful, thank you so much, have a lovely day!", "Brilliant, thanks, that's everything from me!")
+    NUDGE = ("So, can we get this sorted today?", "What would you need from me for that?")
+    WAIT = ("Lovely, please go ahead and make the change then.", "Great, please do it now.")
+    BACK = ("Oh, quick question first: will I get an email about this?", "Before that: is this handled by you or a "
+            "different team?", "One thing first: will it show up on my account right away?")
+    # never a word the gold agent reads as a yes (yes, sure, correct, proceed, go ahead), nor a fact keyword's value
+    ASIDES = ("My cat just walked across the keyboard, sorry.", "I'm typing this on the bus, so bear with me.",
+              "It's been raining here all week.", "My neighbour is drilling again, it's so loud.",
+              "I had the best coffee this morning.", "My sister says hi, she's reading over my shoulder.")
+
+    def first_message(self) -> str:
+        return f"{super().first_message()} {self.rng.choice(self.ASIDES)}"
+
+    def reply(self, messages: list[dict]) -> str:
+        said = super().reply(messages)
+        return said if STOP in said else f"{said} {self.rng.choice(self.ASIDES)}"
+
+
+class CarelessUser(ScriptedUser):
+    """Persona "careless" (training): the first fact with a digit that it gives has one digit wrong, and its next
+    message corrects it ("Sorry, I mistyped my order id: it is #W123, not #W124."), whatever the agent said in
+    between: an agent that already used the wrong value has to use the right one instead."""
+
+    def __init__(self, task, seed: int = 0, patience: int = 10):
+        super().__init__(task, seed, patience)
+        self.mistyped, self.correction = False, ""
+
+    def _fact(self, key: str) -> str:
+        value = str(self.task.hidden_facts[key])
+        digits = [i for i, c in enumerate(value) if c.isdigit()]
+        if self.mistyped or not digits:
+            return super()._fact(key)
+        self.mistyped, i = True, digits[-1]           # the last digit, one up: same length, so never the right value
+        wrong = value[:i] + str((int(value[i]) + 1) % 10) + value[i + 1:]
+        self.correction = f"Sorry, I mistyped my {key.replace('_', ' ')}: it is {value}, not {wrong}."
+        return f"My {key.replace('_', ' ')} is {wrong}."
+
+    def reply(self, messages: list[dict]) -> str:
+        owed, self.correction = self.correction, ""   # a correction made in the reply before this one
+        said = super().reply(messages)
+        return f"{said} {owed}" if owed and STOP not in said else said
+
+
+class LiteralUser(ScriptedUser):
+    """Persona "literal" (held out): formal words; it gives a fact only when the agent asks for it by its own name
+    ("order id", "payment method", "email"), not by another word the other personas accept ("which order", "card");
+    asked otherwise, it asks what exactly is needed. It says yes only to a confirmation that names everything
+    (ScriptedUser's rule) and meets any other with a bare no: it never says which value was missing or wrong."""
+
+    GREET = ("Good afternoon. ", "Good day. ", "Hello. ")
+    YES = ("Yes. Please proceed.", "Yes, that is what I requested.", "Yes, you may go ahead.")
+    NO = ("No. That is not what I requested.", "No. Please state the change exactly.")
+    THANKS = ("Thank you for your assistance.", "Thank you. That concludes my request.")
+    NUDGE = ("Please tell me exactly which details you require.", "Which details do you require?")
+    WAIT = ("Please carry out the change now.", "Kindly make the change.")
+
+    def _answer(self, asked: list[str]) -> list[str]:
+        return [self._fact(k) for k in asked if k in self._by_name]
+
+    def reply(self, messages: list[dict]) -> str:
+        said = [visible_text(m["content"]).lower() for m in messages if m["role"] == "assistant"]
+        # the facts the agent's last message names by their own name; _answer keeps only those
+        self._by_name = [k for k in self.task.hidden_facts if said and re.search(r"\b" + k.replace("_", " "), said[-1])]
+        return super().reply(messages)
+
+    def _confirm(self, text: str) -> list[str]:
+        return super()._confirm(text)[:1]             # the yes, or the no without its corrections
+
+
+class Persona(NamedTuple):
+    """One row of the persona table: the class that plays it, its split, and its rules in words (docs/personas.md)."""
+    cls: type
+    split: str       # "train": sft.py and rl.py may use it (scripted:train draws among them); "held-out": eval only
+    reveals: str
+    confirms: str
+    speaks: str
+
+
+# THE persona table (--user scripted:NAME; plain "scripted" is "default"). docs/personas.md is this table
+# (persona_table(); tests/test_personas.py checks they agree). A persona is a ScriptedUser subclass and a row here.
+PERSONAS = {
+    "default": Persona(ScriptedUser, "train", "every fact asked for, each when the agent uses a word for it",
+                       "yes only to a request naming every value of the change (none wrong); else no and the right "
+                       "values", "plain; the task's own opening"),
+    "terse": Persona(TerseUser, "train", "all its facts at once, at the first question", "as default",
+                     "terse: no greeting, bare values, one-word answers"),
+    "chatty": Persona(ChattyUser, "train", "one fact a reply, the first asked", "a question back first; asked "
+                      "again, as default", "chatty: an irrelevant detail in every message"),
+    "careless": Persona(CarelessUser, "train", "as default, but the first fact with a digit comes with one digit "
+                        "wrong, corrected in its next message", "as default", "plain, then an apology"),
+    "curious": Persona(CuriousUser, "held-out", "opens without the ids; one fact a reply, the last asked",
+                       "a question back first; asked again, as default", "other words for everything"),
+    "literal": Persona(LiteralUser, "held-out", "only when asked by the fact's own name (\"order id\", not "
+                       "\"which order\")", "yes only to a request naming every value; else a bare no, no hint",
+                       "formal"),
+}
+MIXES = {"train": "train", "heldout": "held-out"}   # scripted:train / scripted:heldout: one of that split per conversation
+
+
+def persona_table() -> str:
+    """PERSONAS as the markdown table of docs/personas.md."""
+    rows = [f"| `{name}` | {p.split} | {p.reveals} | {p.confirms} | {p.speaks} |" for name, p in PERSONAS.items()]
+    return "\n".join(["| persona | split | reveals facts | confirms | speaks |", "|---|---|---|---|---|", *rows]) + "\n"
+
+
+def personas_of(arg: str) -> list[str]:
+    """The persona names a scripted spec's ARG stands for: "" -> default, train / heldout -> that split's
+    personas, A+B -> those (an unknown name is kept, for check_user to report)."""
+    if arg in MIXES:
+        return [n for n, p in PERSONAS.items() if p.split == MIXES[arg]]
+    return [n for n in (arg or "default").split("+")]
+
+
+def scripted_user(task, seed: int, arg: str = "") -> ScriptedUser:
+    """The scripted user of one conversation: its persona (drawn by seed from a mix of several), seeded."""
+    names = personas_of(arg)
+    name = names[0] if len(names) == 1 else random.Random(f"persona|{seed}").choice(names)
+    return PERSONAS[name].cls(task, seed)
 
 
 class NoUser(User):
@@ -384,18 +563,63 @@ def ask_users(calls: list, workers: int) -> list:
         return list(pool.map(call, calls))
 
 
+class UserKind(NamedTuple):
+    """One row of the user table: how make_user builds it, what may follow "KIND:", a line of help."""
+    build: object    # (task, seed, arg, **kw) -> User; None: only a benchmark world plays it (its own make_user)
+    arg: str         # "": nothing may follow; "MODEL": required; "[...]": optional (scripted's persona or mix)
+    help: str
+
+
+# THE table of user kinds (--user KIND or KIND:ARG): make_user builds from it, and common.check_args and --help read
+# it, so a user added here is a valid --user everywhere.
+USER_KINDS = {
+    "scripted": UserKind(lambda task, seed, arg, **kw: scripted_user(task, seed, arg), "[PERSONA|train|heldout|A+B]",
+                         "rule-based and seeded (PERSONAS; plain: default; train: a training persona drawn per "
+                         "conversation)"),
+    "none": UserKind(lambda task, seed, arg, **kw: NoUser(task), "", "no user: the whole instruction up front"),
+    "local": UserKind(lambda task, seed, arg, **kw: LocalUser(task, **kw), "", "the policy's base model plays it"),
+    "openai": UserKind(lambda task, seed, arg, **kw: OpenAIUser(task, arg, **kw), "MODEL",
+                       "an OpenAI-compatible server's model"),
+    "oracle": UserKind(None, "", "a benchmark's gold user (τ², ACEBench), for the oracle agent"),
+}
+
+
+def user_help() -> str:
+    """The --user choices, as --help and error lines show them."""
+    show = lambda a: f"[:{a[1:-1]}]" if a.startswith("[") else f":{a}" if a else ""   # noqa: E731; [..] optional
+    return " | ".join(k + show(u.arg) for k, u in USER_KINDS.items())
+
+
+def check_user(spec: str, training: bool = False) -> str | None:
+    """What is wrong with a --user spec, in one line, or None. training (sft.py, rl.py, rl_trl.py): a held-out
+    persona would void the experiment, and a persona set must keep a training persona."""
+    kind, colon, arg = spec.partition(":")
+    if kind not in USER_KINDS:
+        return f"unknown user simulator {spec!r}; use {user_help()}"
+    takes = USER_KINDS[kind].arg
+    if (colon and not takes) or (takes and not takes.startswith("[") and not arg):
+        return f"{spec!r} is not a user spec; use {kind}" + (f":{takes}" if takes else "")
+    if kind != "scripted":
+        return None
+    names = personas_of(arg)
+    unknown = [n for n in names if n not in PERSONAS]
+    if unknown:
+        return f"unknown persona {unknown[0]!r}; use scripted:NAME with NAME one of {', '.join(PERSONAS)} " \
+               f"(or {', '.join(MIXES)})"
+    held_out = [n for n in names if PERSONAS[n].split != "train"]
+    if training and held_out:
+        return f"persona {held_out[0]!r} is held out: no stage trains on it (users.PERSONAS); use scripted:train " \
+               f"or one of {', '.join(n for n, p in PERSONAS.items() if p.split == 'train')}"
+    if not names:
+        return f"{spec!r} leaves no training persona: users.PERSONAS marks none {MIXES.get(arg, arg)}" if training \
+            else f"{spec!r} names no persona: users.PERSONAS marks none {MIXES.get(arg, arg)}"
+    return None
+
+
 def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:
-    """envs.make_user for our domains. spec: "scripted" | "scripted:PERSONA" | "none" | "local" | "openai:MODEL";
-    env unused."""
-    if spec == "scripted":
-        return ScriptedUser(task, seed)
-    if spec.startswith("scripted:") and spec[9:] in PERSONAS:
-        return PERSONAS[spec[9:]](task, seed)
-    if spec == "none":
-        return NoUser(task)
-    if spec == "local":
-        return LocalUser(task, **kw)
-    if spec.startswith("openai:"):
-        return OpenAIUser(task, spec.split(":", 1)[1], **kw)
-    raise SystemExit(f"unknown user simulator {spec!r}: use scripted, scripted:PERSONA ({', '.join(PERSONAS)}), none, "
-                     "local or openai:MODEL")
+    """envs.make_user for our domains: USER_KINDS[KIND].build(task, seed, ARG, **kw) for spec "KIND" or
+    "KIND:ARG" (user_help()); env unused."""
+    kind = spec.partition(":")[0]
+    if (error := check_user(spec)) or USER_KINDS[kind].build is None:
+        raise SystemExit(error or f"user {spec!r} plays only a benchmark's tasks; use {user_help()}")
+    return USER_KINDS[kind].build(task, seed, spec.partition(":")[2], **kw)

@@ -93,17 +93,17 @@ def alone(task, messages: list[dict]) -> bool:
 def oracle_reply(task, messages: list[dict]) -> str:
     """The gold agent's next message. Follows task.gold_actions in one short, fixed style (a 135M student
     copies a consistent teacher more easily than a varied one). Stateless: where it is in the plan is read
-    off the conversation (how many tool calls it has made, which facts it has heard or asked for, whether
+    off the conversation (how many tool calls it has made, which facts it has heard, whether
     the user just said yes to its confirmation request). Plan: ask for the facts the next steps need (all in
-    one message), look up (a turn that is only the tool call), ask to confirm each write naming every
-    argument, make the call after a yes, then report what was done (or refuse, saying why). With no user
+    one message; again for any that the answer left out or got wrong), look up (a turn that is only the tool
+    call), ask to confirm each write naming every argument (again after any reply but a yes: a question back,
+    a no), make the call after a yes, then report what was done (or refuse, saying why). With no user
     (alone) it asks nothing and confirms nothing: it looks up, says each write's plan in the turn that makes
     it (the words its confirmation would use, so both cold starts write the same numbers before a write), and
     its report ends the episode."""
     writes, solo = ours.WRITE_TOOLS[task.domain], alone(task, messages)
     agent = [m for m in messages if m["role"] == "assistant"]
     heard = " ".join(m["content"] for m in messages if m["role"] == "user").lower()
-    asked = " ".join(m["content"] for m in agent).lower()
     n_calls = sum(bool(m.get("tool_calls")) for m in agent)
     writes_done = sum(m["tool_calls"][0]["name"] in writes for m in agent if m.get("tool_calls"))
     if n_calls < len(task.gold_actions):
@@ -116,10 +116,12 @@ def oracle_reply(task, messages: list[dict]) -> str:
             if a.name in writes:
                 break
         first_write = upcoming[-1].name in writes and writes_done == 0
+        #    A fact it asked for that no answer gave (a user who gives one fact a reply, or mistyped it) is asked
+        #    again, as a careful agent would, rather than guessed: the oracle knows the gold values, an agent not.
         facts = task.hidden_facts
-        missing = [k for k in withheld(task, heard) if not any(w in asked for w in users.FACT_KEYWORDS[k])
-                   and (any(_uses(facts[k], a) for a in upcoming)
-                        or (first_write and not any(_uses(facts[k], a) for a in task.gold_actions)))]
+        missing = [k for k in withheld(task, heard)
+                   if any(_uses(facts[k], a) for a in upcoming)
+                   or (first_write and not any(_uses(facts[k], a) for a in task.gold_actions))]
         if missing and not solo:
             q = [QUESTIONS.get(k, f"your {users.FACT_KEYWORDS[k][0]}") for k in missing]
             return f"Please give me {', '.join(q[:-1]) + ' and ' * (len(q) > 1) + q[-1]}."
@@ -154,5 +156,7 @@ def report(task) -> str:
 
 
 def _is_yes(text: str) -> bool:
+    """Did the user approve? Its words for yes, the curt ones too ("Yep.", "Do it."), and not a reply opening with no."""
     t = text.lower()
-    return any(w in t for w in ("yes", "correct", "go ahead", "proceed", "sure")) and not t.startswith("no")
+    return any(w in t for w in ("yes", "correct", "go ahead", "proceed", "sure", "yep", "yeah", "do it")) \
+        and not t.startswith("no")

@@ -73,7 +73,7 @@ def parse_args(argv=None):
     args = common.parse_with_preset(p, PRESETS, argv)
     common.check_args(args, at_least=dict(steps=1, tasks=1, group_size=2, max_turns=1, max_new_tokens=1,
                                           micro_batch=1, save_every=1, lora_r=1),
-                      finite=dict(lr=(0, True), temperature=(0, True), kl_coef=(0, False), clip=(0, True)))
+                      finite=dict(lr=(0, True), temperature=(0, True), kl_coef=(0, False), clip=(0, True)), training=True)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.tasks % world:
         common.fail("--tasks", f"{args.tasks} tasks do not split into whole groups over {world} processes; "

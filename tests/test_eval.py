@@ -120,6 +120,25 @@ def test_oracle_agent_passes_every_held_out_task(tasks, tok):
                           "err": 0, "malformed": 0}
 
 
+def test_the_ceiling_is_the_gold_agents_score_under_each_user_at_the_evals_limits(tok):
+    """eval.ceiling runs the gold agent on the eval's tasks under a user: at a cap with room it passes every task
+    under every persona; at a cap below its longest episode it cannot, and the ceiling says so; an LLM user has none."""
+    import argparse
+    import envs
+    tasks = [t for d in envs.DOMAINS for t in envs.make_tasks(d, "test", 3, ["medium"])]
+    args = argparse.Namespace(trials=2, seed=0, max_turns=20, max_context=8192)
+    for user in ("scripted", "scripted:curious", "scripted:train", "none"):
+        c = ev.ceiling(tok, tasks, user, args)
+        b = c["behaviour"]["all"]
+        assert (b["pass1"]["mean"], b["pass1"]["n"], c["episodes"]) == (1.0, 12, 12), (user, c)
+        assert b["facts_asked"]["mean"] == (None if user == "none" else 1.0) and c["longest"] <= 20
+    short = ev.ceiling(tok, tasks, "scripted:curious", argparse.Namespace(**{**vars(args), "max_turns": 6}))
+    assert short["behaviour"]["all"]["pass1"]["mean"] < 1 and short["stop_reasons"].get("max_turns")
+    assert ev.ceiling(tok, tasks, "openai:gpt-4o", args) is None
+    table = ev.ceiling_markdown({"scripted:curious": short})
+    assert "| gold agent | scripted:curious | all | 12 |" in table and "| gold agent | scripted:curious | airline |" in table
+
+
 def test_asked_before_writing_reads_the_order_of_request_and_write():
     call = lambda name: [{"name": name, "arguments": {}}]                                  # noqa: E731
     ask = {"role": "assistant", "content": "Please confirm: cancel order #W1 (reason: no longer needed). Yes or no?"}
@@ -296,6 +315,9 @@ def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_
     assert o["n_tasks"] == 1 and o["trials"] == 2 and 0.0 <= o["pass^k"]["1"] <= 1.0
     for name in ("args.json", "results.md", "eval.png", "failures_base___scripted.jsonl", "episodes_base___none.jsonl"):
         assert (tmp_path / name).exists(), name
+    assert set(saved["ceiling"]) == {"scripted", "none"}              # the gold agent under each user, at the
+    assert saved["ceiling"]["none"]["longest"] == 1                   # smoke preset's 1-turn cap
+    assert "| gold agent | none | all | 2 |" in (tmp_path / "results.md").read_text()
     fails = [json.loads(l) for l in (tmp_path / "failures_base___scripted.jsonl").read_text().splitlines()]
     assert len(fails) == saved["agents"]["base @ scripted"]["tau"]["n_failed"] and all("diff" in f for f in fails)
 
