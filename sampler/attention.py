@@ -176,8 +176,10 @@ def prefill_together(model, rows, cached, P: int, prefix, pad: int):
     -> (per row, per layer: its own keys/values after P as pieces; logits of its last token (V,))."""
     new = [len(r) - c for r, (c, _) in zip(rows, cached)]
     batches = []
+    own = [c - P for c, _ in cached]                             # cached own tokens, copied into the batch's buffer
     for i in sorted(range(len(rows)), key=lambda i: -new[i]):   # longest first: rows of a batch pad little
-        if batches and (len(batches[-1]) + 1) * new[batches[-1][0]] <= PREFILL_TOKENS:
+        if batches and (len(batches[-1]) + 1) * (new[batches[-1][0]] + max(own[j] for j in batches[-1] + [i])) \
+                <= PREFILL_TOKENS:                              # the batch's buffer, (b, Lc + D), bounded
             batches[-1].append(i)
         else:
             batches.append([i])
@@ -286,7 +288,33 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return config.num_hidden_layers * kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
 
 
-def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tuple[list[list[int]], bool]:
+def sampler_scratch(config, dtype: torch.dtype, context: int, own: int, packed: bool) -> tuple[int, int, int]:
+    """What the sampler allocates beside the keys/values plan_waves counts, in bytes: (per row of a wave, per
+    token of its longest prefill forward, once), for rows of at most `context` tokens (shared prefix + own + room),
+    `own` of them after the shared prefix; packed: prefill_new_turns packs (CPU) rather than pads. A prefill forward takes at most PREFILL_TOKENS new tokens
+    (prefill_new_turns batches them so, and the sampler puts each batch into the decode buffer before the next
+    exists), more only for a row prefilled alone. Upper bounds, term by term:
+      per row    the decode step's logits (V,) and their fp32 copies (the float, / T, log-softmax, exp): 5 x V x 4;
+                 its attention scores over [prefix ; own] in the compute dtype and fp32: heads x context x 24;
+                 padded, a prefill batch's attention of one layer, the prefix's keys/values expanded per row and
+                 repeated per query head: context x (1 + heads / kv_heads) x 2 x kv_heads x head_dim x bytes;
+      per token  a prefill forward's keys/values and activations, every tensor a layer holds at once
+                 (8 x hidden + 4 x intermediate + 2 x (q, k, v) widths), and packed, the attention masks of its
+                 rows (heads / kv_heads x own floats a new token);
+      once       bitsandbytes' dequantized copy of the widest weight (it dequantizes for more than one row)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, H, I = config.num_attention_heads, config.hidden_size, config.intermediate_size
+    kvh = getattr(config, "num_key_value_heads", None) or heads
+    b = torch.finfo(dtype).bits // 8
+    per_row = 5 * config.vocab_size * 4 + heads * context * 24 \
+        + (0 if packed else context * (1 + heads // kvh) * 2 * kvh * head_dim * b)
+    per_token = kv_bytes_per_token(config, dtype) + (8 * H + 4 * I + 2 * (heads + 2 * kvh) * head_dim) * b \
+        + (heads // kvh * own * 4 if packed else 0)
+    return per_row, per_token, max(I, heads * head_dim) * H * b
+
+
+def plan_waves(own: list[int], prefix: int, room: int, budget: int | None,
+               scratch: tuple[float, float, float] = (0, 0, 0)) -> tuple[list[list[int]], bool]:
     """(waves, keep): rows (indices) in waves to decode one after the other, each fitting `budget` cache
     tokens (None: no limit), and whether the rows' caches may be kept for the next round.
     own[i]: row i's tokens after the `prefix` tokens all rows share; room: tokens a row may still sample.
@@ -294,8 +322,12 @@ def plan_waves(own: list[int], prefix: int, room: int, budget: int | None) -> tu
     prefilled (prefix + L) and the (b, L + room) decode buffer. If all rows fit in one wave with as much
     again for the copies of their caches kept for the next round: one wave, in order, keep. Else no
     copies (keep False), and the waves take the longest rows first, so a wave pads little.
-    A row that alone exceeds the budget still gets a wave of its own."""
-    cost = lambda b, L, copies: 2 * prefix + L + (1 + copies) * b * (L + room)   # noqa: E731
+    A row that alone exceeds the budget still gets a wave of its own. scratch: (per row, per prefill token, once)
+    in tokens of cache, what a wave allocates beside its keys/values (sampler_scratch), counted too; its longest
+    prefill forward takes the shared prefix, or at most PREFILL_TOKENS of its b rows' L own tokens each."""
+    def cost(b, L, copies):
+        prefill = max(prefix, L, min(PREFILL_TOKENS, b * L))
+        return 2 * prefix + L + b * scratch[0] + prefill * scratch[1] + scratch[2] + (1 + copies) * b * (L + room)
     if budget is None or not own or cost(len(own), max(own), 1) <= budget:
         return [list(range(len(own)))], True
     waves = []

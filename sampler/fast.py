@@ -15,8 +15,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from rollout import ChatFormat
-from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
-                               prefill_new_turns, token_slice, weight_major_linear)
+from sampler.attention import (PREFILL_TOKENS, KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged,
+                               plan_waves, prefill_new_turns, sampler_scratch, token_slice, weight_major_linear)
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -111,8 +111,13 @@ class ModelAgent:
         for g, (idx, p) in enumerate(groups):
             for i in idx:
                 gid[i], P[i] = g, p
-        self.waves, self.keeps_rows = plan_waves([len(r) - p for r, p in zip(rows, P)], sum(p for _, p in groups),
-                                                 self.max_new_tokens, self.budget_tokens())
+        own = [len(r) - p for r, p in zip(rows, P)]
+        dtype = self.model.get_input_embeddings().weight.dtype         # the budget counts the scratch too, in tokens
+        scratch = sampler_scratch(self.model.config, dtype, max(map(len, rows)) + self.max_new_tokens, max(own),
+                                  packed=self.model.device.type == "cpu")     # as prefill_new_turns picks
+        per_token = kv_bytes_per_token(self.model.config, dtype)
+        self.waves, self.keeps_rows = plan_waves(own, sum(p for _, p in groups), self.max_new_tokens,
+                                                 self.budget_tokens(), [x / per_token for x in scratch])
         if not self.keeps_rows:                       # keep only the shared prefixes' entries
             self.memo = [m for m in self.memo if len(m[0]) <= max(P)]
         for idx, p in groups:                         # each group's shared prefix: prefilled once, remembered
@@ -153,11 +158,19 @@ class ModelAgent:
             if p and all(cached[i][0] >= p for i in idx):     # the usual case: a cached shared prefix
                 prefixes[g] = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, p)))
                                for pieces in cached[idx[0]][1]]
-                own, last = prefill_new_turns(self.model, [rows[i] for i in idx], [cached[i] for i in idx], p,
-                                              prefixes[g], pad=self.fmt.end_of_turn_id)
-                for i, layers, lg in zip(idx, own, last):
-                    put(i, layers)
-                    logits[i] = lg
+                chunks = []                           # rows whose new tokens fill one prefill forward: each chunk's
+                for i in idx:                         # keys/values go into the decode buffer before the next's exist
+                    if chunks and sum(len(rows[j]) - cached[j][0] for j in chunks[-1] + [i]) <= PREFILL_TOKENS:
+                        chunks[-1].append(i)
+                    else:
+                        chunks.append([i])
+                for chunk in chunks:
+                    own, last = prefill_new_turns(self.model, [rows[i] for i in chunk], [cached[i] for i in chunk], p,
+                                                  prefixes[g], pad=self.fmt.end_of_turn_id)
+                    for i, layers, lg in zip(chunk, own, last):
+                        put(i, layers)
+                        logits[i] = lg
+                    del own, last
                 continue
             for i in idx:
                 kv, logits[i] = self._prefill(rows[i])

@@ -17,7 +17,10 @@ short keeps what finished; --parts reruns some. At the end, one table of them al
            sequences of 8k tokens with activation checkpointing: peak GiB (target <= 20) and seconds
            (scripts/bench_update.py's memory check)
   sampler  sampler.ModelAgent on that model: sampled tokens/s at 8, 32 and 64 rows that continue one 1.8k-token
-           system prompt, decoded in the waves kernels.attention.plan_waves makes within --kv-budget
+           system prompt, decoded in the waves sampler.attention.plan_waves makes within --kv-budget
+  decode   where a decode step's milliseconds go and the NF4 kernel (kernels/nf4.py) against bitsandbytes, before
+           and after, on that model at 8, 32 and 64 rows; the sampler's log-probs against the training forward's
+           (scripts/gpu_decode.py)
   stages   one rl.py step and one scripts/rl_trl.py step (transformers generate) on a small random Qwen3 in NF4 with
            the scripted user, each in its own process (scripts/bench_trl.py: rollout t of a group scores
            t % 2, so every group has reward variance and both sides update)
@@ -43,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
-PARTS = ("kernel", "update", "sampler", "stages")
+PARTS = ("kernel", "update", "sampler", "decode", "stages")
 KIT = ("bitsandbytes", "peft", "trl", "datasets", "dill", "multiprocess")     # what scripts/gpu_kit.sh carries
 VERSIONS = ("torch", "transformers", "triton", "accelerate", "peft", "bitsandbytes", "trl", "datasets", "pyarrow",
             "fsspec", "huggingface_hub", "tokenizers", "numpy")
@@ -249,7 +252,9 @@ def update_rows(part):
 
 # ----------------------------------------------------------------------------- sampler
 
-def part_sampler(args, ctx, part):
+def sampler_workload(args, ctx, new):
+    """The sampler's model (the update part's, or built now) and workload: -> (budget bytes, batch(rows): rows
+    that continue one shared system prompt with own parts of different lengths)."""
     from sampler.attention import kv_bytes_per_token
     from sampler import ModelAgent
     cuda = not args.cpu
@@ -258,7 +263,7 @@ def part_sampler(args, ctx, part):
         ctx.config = qwen3_shapes(tiny=not cuda)
         ctx.model = nf4_lora_model(ctx.config, ctx.device)
     model, tok = ctx.model, ctx.tok
-    prefix, own, new = (1800, (600, 1400), 128) if cuda else (48, (8, 16), 4)
+    prefix, own = (1800, (600, 1400)) if cuda else (48, (8, 16))
     per_token = kv_bytes_per_token(model.config, model.get_input_embeddings().weight.dtype)
     held = torch.cuda.memory_allocated() if cuda else 0
     if args.kv_budget:
@@ -266,7 +271,10 @@ def part_sampler(args, ctx, part):
     elif cuda:                                       # a 24 GiB card: what the weights and the training reserve leave
         budget = max(0, 24 * GIB - held - ModelAgent.KV_RESERVE)
     else:                                            # toy: 20 rows a wave, so 32 and 64 rows take several
-        budget = (2 * prefix + own[1] + 20 * (own[1] + new)) * per_token
+        from sampler.attention import sampler_scratch
+        row, token, once = sampler_scratch(model.config, model.dtype, prefix + own[1] + new, own[1], packed=True)
+        budget = (2 * prefix + own[1] + 20 * (own[1] + new)) * per_token + 20 * row + (prefix + 20 * own[1]) * token \
+            + once
     ids_below = min(len(tok), model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(0, ids_below, (prefix,), generator=g).tolist()
@@ -275,6 +283,28 @@ def part_sampler(args, ctx, part):
     def batch(rows):
         return [(None, system, shared + torch.randint(0, ids_below, (int(torch.randint(*own, (1,), generator=g)),),
                                                       generator=g).tolist()) for _ in range(rows)]
+    return budget, batch, prefix, own, per_token
+
+
+def part_decode(args, ctx, part):
+    from gpu_decode import part_decode as run
+    new = 64 if not args.cpu else 4
+    budget, batch, *_ = sampler_workload(args, ctx, new)
+    run(args, ctx, part, check, budget, batch, new)
+
+
+def decode_rows(part):
+    from gpu_decode import decode_rows as rows
+    return rows(part)
+
+
+def part_sampler(args, ctx, part):
+    from sampler import ModelAgent
+    cuda = not args.cpu
+    new = 128 if cuda else 4
+    budget, batch, prefix, own, per_token = sampler_workload(args, ctx, new)
+    model, tok = ctx.model, ctx.tok
+    held = torch.cuda.memory_allocated() if cuda else 0
     ModelAgent(model, tok, 1.0, 4, kv_budget=budget).act(batch(8))        # warm-up: kernels, cuBLAS handles
     part.update(budget_gib=budget / GIB, kv_kib_per_token=per_token / 1024, prefix=prefix, own=own, new=new, rows=[])
     print(f"  one round, every row new: {prefix} shared + {own[0]}-{own[1]} own tokens a row prefilled, then <= {new} "
@@ -390,8 +420,8 @@ def main(argv=None):
         part["seconds_part"] = time.time() - t0
         part["ok"] = "error" not in part and all(c["ok"] for c in part["checks"])
         results["parts"][name] = part
-        if name == "sampler" or (name == "update" and "sampler" not in args.parts):
-            ctx.model = None                          # the 8B model goes once the sampler has used it
+        if name == [p for p in args.parts if p in ("update", "sampler", "decode")][-1]:
+            ctx.model = None                          # the 8B model goes once its last part has used it
         free()
         with open(path, "w") as f:
             json.dump(results, f, indent=1, default=str)

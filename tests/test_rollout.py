@@ -268,12 +268,14 @@ def test_plan_waves_by_hand():
 def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
     """Greedy decoding in waves that fit a small KV budget gives exactly the conversations one big batch
     gives; a round that needs several waves keeps no row's keys/values for the next, only the shared prefix."""
-    from sampler.attention import kv_bytes_per_token
+    from sampler.attention import kv_bytes_per_token, sampler_scratch
     tasks = ours.make_tasks("retail", "train", 4)
     env = ours.Env(tasks[0])
     P = len(ChatFormat(tok).prompt_ids(env.policy, "", env.tools))             # about the prefix rows share
+    per_row, per_token, once = sampler_scratch(tiny.config, torch.float32, P + 400, 400, packed=True)
+    budget = (2 * P + 400) * kv_bytes_per_token(tiny.config, torch.float32) + 3 * per_row + P * per_token + once
     runs = {}
-    for name, budget in (("one batch", None), ("waves", (2 * P + 400) * kv_bytes_per_token(tiny.config, torch.float32))):
+    for name, budget in (("one batch", None), ("waves", budget)):               # waves: a few rows' worth
         agent, rounds = ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8, kv_budget=budget), []
         act = agent.act
 
@@ -299,7 +301,7 @@ def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
 
 
 def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok, tiny):
-    """ModelAgent samples with the LoRA delta folded into the weights (kernels.attention.lora_merged): greedy turns are
+    """ModelAgent samples with the LoRA delta folded into the weights (sampler.attention.lora_merged): greedy turns are
     the unmerged adapter's, every weight is bit for bit what it was, and each row's keys/values are still
     reused from one round to the next (the merge's own writes are not a weight change)."""
     from peft import LoraConfig, get_peft_model
