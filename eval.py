@@ -23,6 +23,7 @@ What it does
 Run
   python eval.py                                  # base, SFT (runs/sft/adapter), RL (runs/rl/adapter): whichever exist
   python eval.py --agents base,rl --trials 4      # pick agents; an adapter dir path also works as an agent
+  python eval.py --sampler plain                  # sampler/plain.py, the sampler to read: the same episodes
   python eval.py --agents openai:gpt-4o-mini --openai-base-url http://localhost:8000/v1   # any endpoint
   python eval.py --user openai:gpt-4o             # the paper's LLM user instead of the scripted one
   python eval.py --user scripted,none,scripted:curious --paired-metric correct_state,pass1   # each agent under

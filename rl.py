@@ -14,6 +14,7 @@ Run:
                                                            #   the matched cold start, sft.py --user none
     python rl.py --domains retail,airline                  # both domains (the preset trains airline's easy tier)
     python rl.py --reward shaped        # ablation: partial credit for correct writes
+    python rl.py --sampler plain        # the sampler to read (sampler/plain.py), one conversation at a time
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
     python rl.py --rollouts runs/rl/rollouts --loss-agg seq-mean --out runs/rl_seqmean   # same rollouts, other update
 Writes under --out (default runs/rl): args.json, metrics.jsonl (a line a step), rl.png, rollouts/ (each step's
