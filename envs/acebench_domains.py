@@ -56,8 +56,8 @@ TYPES = {"dict": "object", "float": "number", "list": "array", "tuple": "array",
 # ----------------------------------------------------------------------------- ACEBench's files
 def data_dir() -> str:
     """$ACEBENCH_DIR, else ../shared/acebench beside this repo; a clear exit when neither holds the data."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.abspath(os.environ.get("ACEBENCH_DIR") or os.path.join(here, "..", "shared", "acebench"))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))          # envs/ is one level down
+    root = os.path.abspath(os.environ.get("ACEBENCH_DIR") or os.path.join(repo, "..", "shared", "acebench"))
     if not os.path.isfile(os.path.join(root, "data_all", "data_en", "data_agent_multi_turn.json")):
         raise SystemExit(f"ACEBench not found at {root}: git clone https://github.com/chenchen0103/ACEBench "
                          "and set ACEBENCH_DIR to that directory")

@@ -45,7 +45,7 @@ def child(stage: str, task_ids: list[str], real_rewards: bool, argv: list[str]):
                 t.reward = float(t.trial % 2)
             return trajs
         rollout.run_episodes = by_trial
-    module = importlib.import_module(stage)
+    module = importlib.import_module("scripts.rl_trl" if stage == "rl_trl" else stage)   # scale-out lives in scripts/
     if stage == "rl_trl":              # the step's wall time, rollout + update + optimizer step, as rl.py's s_per_step
         from transformers import TrainerCallback
         build, out = module.build_trainer, argv[argv.index("--out") + 1]

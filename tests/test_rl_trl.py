@@ -174,7 +174,8 @@ import hashlib, json, os, sys
 import torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
-import rollout, rl_trl
+import rollout
+from scripts import rl_trl
 real = rollout.run_episodes
 def run(*a, **k):                      # rollout t of every group scores t % 2 (see rewards_by_trial)
     trajs = real(*a, **k)

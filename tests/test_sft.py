@@ -163,8 +163,8 @@ def test_resume_continues_with_identical_state(tmp_path):
 
 
 def test_smoke_run(tmp_path):
-    """The real default model on real oracle data, tiny: the two easy scenarios' conversations seen three times
-    (6 steps of one), so the loss on the same data can be seen to fall."""
+    """The real default model on real oracle data, tiny: the easy scenarios' data seen in three epochs, so the loss
+    on the same data can be seen to fall."""
     t0 = time.time()
     out = tmp_path / "sft"
     r = subprocess.run([sys.executable, "sft.py", "--smoke", "--out", str(out), "--tiers", "easy", "--epochs", "3",
@@ -178,8 +178,9 @@ def test_smoke_run(tmp_path):
     metrics = [json.loads(l) for l in open(out / "metrics.jsonl")]
     losses = [m["loss"] for m in metrics]
     print("losses", losses)
-    assert len(losses) == 6 and stats["kept"] == 2 and all(x > 0 for x in losses)
-    assert sum(losses[4:]) < 0.5 * sum(losses[:2])        # the third pass over the same two conversations
+    per_epoch = len(losses) // 3
+    assert len(losses) == 3 * per_epoch and per_epoch >= 1 and all(x > 0 for x in losses)
+    assert sum(losses[-per_epoch:]) < 0.5 * sum(losses[:per_epoch])     # the third pass over the data against the first
     for f in ("adapter/adapter_config.json", "loss.png", "args.json"):
         assert (out / f).exists(), f
     print(f"smoke run {time.time() - t0:.0f} s")   # ~30 s on a quiet 2-core machine; minutes when shared
