@@ -28,8 +28,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import masked_logprobs_chunked
-
 # The CPU presets' episode limits, shared so that RL trains on what eval measures: the easy tasks need
 # 5 agent turns and one correction after a "no" needs 2 more; 80 tokens hold the longest oracle message.
 CPU_LIMITS = dict(max_turns=7, max_new_tokens=80, max_context=3072)
@@ -362,6 +360,8 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     past_key_values: a cache of P tokens that every row continues (see prefix_run_once);
     positions then start at P, and column 0 is still 0 (its context ends inside the cache).
     """
+    from kernels import masked_logprobs_chunked   # here, not at the top: importing common must not import triton, so
+    #                                               that scripts/gpu_check.py --cpu can set TRITON_INTERPRET first
     body, lm_head = model.get_decoder(), model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
         raise ValueError(f"sequence_logprobs needs a plain bias-free nn.Linear lm_head, got {type(lm_head).__name__}"

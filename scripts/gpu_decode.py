@@ -11,7 +11,7 @@ built (Qwen3-8B's shapes, random NF4 weights + LoRA r16). --cpu runs every line 
             the budget, and the GPU's kernel time split by torch.profiler into 4-bit matmuls, other matmuls
             (LoRA, lm_head), attention, the rest; the wall time no kernel fills is Python and launches; host
             syncs are the device-to-host copies counted
-  logprobs  the sampler's log-probs of 8 rows against the training forward's (kernels.sequence_logprobs) on the
+  logprobs  the sampler's log-probs of 8 rows against the training forward's (common.sequence_logprobs) on the
             same tokens: max and mean |delta log p| (reported, not tuned away)
 """
 import math
@@ -165,7 +165,7 @@ def kernel_split(model, tok, b, budget, new, after, cuda) -> dict:
 
 def logprob_mismatch(model, tok, part, check, batch):
     """The sampler's log-probs against the training forward's on the same tokens, 8 rows, T = 1."""
-    from kernels import sequence_logprobs
+    from common import sequence_logprobs
     from sampler import ModelAgent
     b = batch(8)
     torch.manual_seed(0)
