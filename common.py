@@ -65,7 +65,7 @@ class Parser(argparse.ArgumentParser):
 
 def parse_with_preset(p: Parser, presets: dict, argv=None, name: str | None = None):
     """Parse argv with the preset's numbers as the defaults, so --help shows the numbers in use. The preset is
-    presets[name] if given (sampler/fast.py: its tour or its bench), else presets["smoke"] with --smoke, else
+    presets[name] if given (sampler/bench.py: its tour or its bench), else presets["smoke"] with --smoke, else
     presets[--preset] (auto: "gpu" where CUDA is, else "cpu")."""
     if name is None:
         pre = argparse.ArgumentParser(add_help=False)
@@ -109,7 +109,7 @@ def add_model_args(p: Parser, model_default=None, sampler=True):
     g = p.group("performance")
     g.add_argument("--sampler", default="fast", choices=["fast", "plain"], help="fast: sampler/fast.py, many "
                    "conversations at once; plain: sampler/plain.py's sample_turn, one conversation at a time (the "
-                   "code to read; the same tokens, slower)")
+                   "code to read; greedy, the same tokens, tested; slower)")
     g.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the fast sampler may hold; it "
                    "decodes in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no "
                    "limit)")
@@ -360,8 +360,9 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     past_key_values: a cache of P tokens that every row continues (see prefix_run_once);
     positions then start at P, and column 0 is still 0 (its context ends inside the cache).
     """
-    from kernels import masked_logprobs_chunked   # here, not at the top: importing common must not import triton, so
-    #                                               that scripts/gpu_check.py --cpu can set TRITON_INTERPRET first
+    # imported here, not at the top: importing common must not import triton, so that scripts/gpu_check.py --cpu
+    # can set TRITON_INTERPRET first
+    from kernels import masked_logprobs_chunked
     body, lm_head = model.get_decoder(), model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
         raise ValueError(f"sequence_logprobs needs a plain bias-free nn.Linear lm_head, got {type(lm_head).__name__}"

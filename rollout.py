@@ -350,7 +350,7 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
         for g in trials:
             env = envs.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
             made.append((env, envs.make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
-                                               **user_kw), i, g))
+                                             **user_kw), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []
     for (env, u, i, g), first in zip(made, ask_users([u.first_message for _, u, _, _ in made], workers)):

@@ -207,7 +207,6 @@ class CuriousUser(AsksBackFirst, OneFactAReply, ScriptedUser):
         return f"The {key.replace('_', ' ')}: {self.task.hidden_facts[key]}."
 
 
-
 class TerseUser(ScriptedUser):
     """Persona "terse" (training): no greeting, bare values, one-word answers; at the first question for any fact
     it gives every fact it knows at once (later questions: the facts asked)."""
@@ -505,10 +504,8 @@ class OpenAIUser(LLMUser):
                     model=self.model, messages=chat, temperature=self.temperature, max_tokens=self.max_tokens,
                     **({"tools": tools} if tools else {}))
                 message = chat_message(r)
-            except no_message as e:               # a 200 without a message (a body that is not JSON: JSONDecodeError)
-                error = e
-            except openai.APIError as e:          # the client's retries are spent, or retrying cannot help (401, 404)
-                error = e
+            except (ValueError, openai.APIError) as e:   # a 200 without a message (a body that is not JSON:
+                error = e                                # JSONDecodeError), the client's retries spent, or a 401/404
             finally:
                 _sending.usage = None
             sent = self.usage["requests"] - first

@@ -143,6 +143,18 @@ def attention_implementation(model, name: str):
 PREFILL_TOKENS = 4096           # new tokens per batched prefill forward: bounds its attention's size
 
 
+def token_batches(sizes: list[int]) -> list[list[int]]:
+    """Consecutive indices of sizes grouped so that each group's sizes add up to at most PREFILL_TOKENS (a size
+    over it alone): prefill_packed's forwards, and the sampler's prefill chunks, the same groups."""
+    batches = []
+    for i, n in enumerate(sizes):
+        if batches and sum(sizes[j] for j in batches[-1]) + n <= PREFILL_TOKENS:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 def prefill_new_turns(model, rows, cached, P: int, prefix, pad: int):
     """A round's new turns of rows that continue one shared prefix: packed on CPU (prefill_packed), padded into
     batches on GPU (prefill_together: there the batched SDPA kernels take the padding in their stride)."""
@@ -215,12 +227,7 @@ def prefill_packed(model, rows, cached, P: int, prefix):
     (packed_prefill_attention) reads the shared prefix once for every row's queries and each row's own keys apart.
     The same result as prefill_together (nothing is padded, so no pad id)."""
     new = [len(r) - c for r, (c, _) in zip(rows, cached)]
-    batches = []
-    for i in range(len(rows)):
-        if batches and sum(new[j] for j in batches[-1]) + new[i] <= PREFILL_TOKENS:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    batches = token_batches(new)
     own, logits, dev = [None] * len(rows), [None] * len(rows), model.device
     group = model.config.num_attention_heads // prefix[0][0].shape[1]
     for batch in batches:

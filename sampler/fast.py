@@ -15,8 +15,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from rollout import ChatFormat
-from sampler.attention import (PREFILL_TOKENS, KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged,
-                               plan_waves, prefill_new_turns, sampler_scratch, token_slice, weight_major_linear)
+from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
+                               prefill_new_turns, sampler_scratch, token_batches, token_slice, weight_major_linear)
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -158,13 +158,10 @@ class ModelAgent:
             if p and all(cached[i][0] >= p for i in idx):     # the usual case: a cached shared prefix
                 prefixes[g] = [tuple(torch.cat(x, 2) for x in zip(*token_slice(pieces, 0, p)))
                                for pieces in cached[idx[0]][1]]
-                chunks = []                           # rows whose new tokens fill one prefill forward: each chunk's
-                for i in idx:                         # keys/values go into the decode buffer before the next's exist
-                    if chunks and sum(len(rows[j]) - cached[j][0] for j in chunks[-1] + [i]) <= PREFILL_TOKENS:
-                        chunks[-1].append(i)
-                    else:
-                        chunks.append([i])
-                for chunk in chunks:
+                # rows whose new tokens fill one prefill forward: each chunk's keys/values go into the decode
+                # buffer before the next chunk's exist
+                for batch in token_batches([len(rows[i]) - cached[i][0] for i in idx]):
+                    chunk = [idx[k] for k in batch]
                     own, last = prefill_new_turns(self.model, [rows[i] for i in chunk], [cached[i] for i in chunk], p,
                                                   prefixes[g], pad=self.fmt.end_of_turn_id)
                     for i, layers, lg in zip(chunk, own, last):

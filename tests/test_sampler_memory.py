@@ -60,7 +60,6 @@ def test_the_old_arithmetic_went_over_the_same_budget(qwen3, tok, monkeypatch):
     """Keys/values only, each round's prefill held whole: the plan packs more rows a wave and the peak passes the
     budget. (The sampler's chunked prefill is undone by one prefill chunk of every row.)"""
     monkeypatch.setattr("sampler.fast.sampler_scratch", lambda *a, **kw: (0, 0, 0))
-    monkeypatch.setattr("sampler.fast.PREFILL_TOKENS", 10**9)
     monkeypatch.setattr(sampler.attention, "PREFILL_TOKENS", 10**9)
     budget = 6 * MiB
     agent = ModelAgent(qwen3, tok, temperature=1.0, max_new_tokens=16, kv_budget=budget)
