@@ -28,9 +28,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-# The CPU presets' episode limits, shared so that RL trains on what eval measures: the easy tasks need
-# 5 agent turns and one correction after a "no" needs 2 more; 80 tokens hold the longest oracle message.
-CPU_LIMITS = dict(max_turns=7, max_new_tokens=80, max_context=3072)
+# The CPU presets' episode limits, shared so that RL trains on what eval measures, set from the gold agent on the
+# medium tier under every persona (docs/personas.md): its longest episode is 12 agent turns (x 1.5 = 18), its
+# longest message 152 tokens (a book_reservation call), its longest conversation 3,351 tokens with the ~2,300-token
+# system prompt (+ a turn's 192, x ~1.3 = 4,608).
+CPU_LIMITS = dict(max_turns=18, max_new_tokens=192, max_context=4608)
 TIERS = ("easy", "medium", "hard")
 
 

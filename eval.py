@@ -73,12 +73,13 @@ import users
 import envs
 
 # CPU: the tier the CPU presets of sft.py and rl.py train on, 24 held-out tasks per domain (48 in all, enough
-# to tell two agents apart when they differ by ~0.15), greedy, one trial each; sized for a few minutes an agent
-# on 2 cores; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
+# to tell two agents apart when they differ by ~0.15), greedy, one trial each, under the training personas and
+# under the held-out ones; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
 PRESETS = {
-    "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", max_turns=30, max_new_tokens=256, max_context=8192,
+    "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout", max_turns=30, max_new_tokens=256, max_context=8192,
                 recheck=16),
-    "cpu": dict(n_tasks=24, trials=1, tiers="easy", **common.CPU_LIMITS, recheck=0),
+    "cpu": dict(n_tasks=24, trials=1, tiers="medium", user="scripted:train,scripted:heldout", **common.CPU_LIMITS,
+                recheck=0),
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
                   recheck=1),
 }

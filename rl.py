@@ -12,7 +12,7 @@ Run:
     python rl.py --init base            # ablation: no cold start
     python rl.py --user none --init runs/sft_none/adapter   # ablation: no user (the whole task up front), from
                                                            #   the matched cold start, sft.py --user none
-    python rl.py --domains retail,airline                  # both domains (the preset trains airline's easy tier)
+    python rl.py --user scripted:default                   # one training persona only, the cooperative one
     python rl.py --reward shaped        # ablation: partial credit for correct writes
     python rl.py --sampler plain        # the sampler to read (sampler/plain.py), one conversation at a time
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
@@ -26,10 +26,11 @@ Simplifications versus the paper:
 - SmolLM2-135M-Instruct on CPU and LoRA instead of full fine-tuning; the reference is a frozen copy of the
   starting adapter on the same base weights.
 - Our procedural domains and a scripted user by default (a 135M model cannot play a user); PRESETS["cpu"] is the
-  same algorithm at small sizes, on airline's easy tier.
+  same algorithm at small sizes, on the medium tier of both domains.
 - Dynamic sampling (DAPO) is ours: only groups whose rewards differ are trained. So is --screen (off by default):
   a group is finished only after its first rollouts showed a rare reward.
-- One optimizer step per batch of rollouts (--mini-batches 1): the ratio is exactly 1 and the clip inactive.
+- The CPU preset takes two optimizer steps per batch of rollouts (--mini-batches 2): the second sees a ratio away
+  from 1, so the clip can act. With --mini-batches 1 the ratio is exactly 1 and the clip inactive.
 - Entropy is logged as the mean -log p of the sampled tokens.
 """
 import contextlib
@@ -47,19 +48,22 @@ import common
 import rollout
 import sampler
 import envs
+import users
 
-# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for a few minutes: one step of 8 tasks x 8 rollouts
-# in one draw, every group with reward variance trained. Airline's easy tier: the CPU cold start already solves
-# every easy retail task, and half solves airline's add_bags, where groups have variance. T = 0.7: at 1.0 most of
-# the 135M policy's failures are sampling noise. lr 1e-4: Adam's first step moves every LoRA weight by ~lr, and
-# at 2e-4 one step collapsed the policy (docs/results.md, findings).
+# CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for <= 30 minutes: one step of 8 tasks x 6 rollouts
+# in one draw (4 a domain), every group with reward variance trained, in two mini-batches (two optimizer steps on
+# the step's rollouts, so the ratio leaves 1 and the clip and KL can act). The medium tier of both domains: its
+# openings withhold facts, so an agent must ask. The training personas, one drawn per conversation; the curve
+# also under the held-out ones. T = 0.7: at 1.0 most of the 135M policy's failures are sampling noise. lr 1e-4:
+# Adam's first step moves every LoRA weight by ~lr, and at 2e-4 one step collapsed the policy (docs/results.md).
 PRESETS = {
     "gpu": dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
                 max_context=8192, micro_batch=1, lr=2e-5, temperature=1.0, domains="retail,airline",
-                tiers="easy,medium,hard", ckpt_every=10, eval_every=10, eval_tasks=24, grad_checkpointing="on"),
-    "cpu": dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=8, **common.CPU_LIMITS, micro_batch=2, lr=1e-4,
-                temperature=0.7, domains="airline", tiers="easy", ckpt_every=1, eval_every=1, eval_tasks=12,
-                grad_checkpointing="off"),
+                tiers="easy,medium,hard", user="scripted:train", ckpt_every=10, eval_every=10, eval_tasks=24,
+                grad_checkpointing="on"),
+    "cpu": dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=6, **common.CPU_LIMITS, micro_batch=2,
+                mini_batches=2, lr=1e-4, temperature=0.7, domains="retail,airline", tiers="medium",
+                user="scripted:train", ckpt_every=1, eval_every=1, eval_tasks=6, grad_checkpointing="off"),
     "smoke": dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
                   max_context=2560, micro_batch=2, lr=1e-4, temperature=1.0, domains="retail,airline", tiers="easy",
                   ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off"),
@@ -98,6 +102,8 @@ def parse_args(argv=None):
     g.add_argument("--eval-every", type=int, default=None, help="held-out pass^1 every N steps, and before step 1 "
                    "(0 = never)")
     g.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks per domain for that curve")
+    g.add_argument("--eval-users", default=None, help="comma list of the users the curve is measured under "
+                   "(default: --user, and the held-out personas, scripted:heldout, when --user is scripted)")
     g.add_argument("--eval-skip", type=int, default=24, help="the curve uses the held-out tasks after the first N "
                    "of each domain, the ones eval.py's CPU preset reports")
     args = common.parse_with_preset(p, PRESETS, argv)
@@ -114,6 +120,11 @@ def parse_args(argv=None):
         common.fail("--screen", f"{args.screen}: 0 (off) or fewer rollouts than --group-size {args.group_size}")
     if args.rollouts and not os.path.isdir(args.rollouts):
         common.fail("--rollouts", f"{args.rollouts} is not a dir; use another run's <out>/rollouts")
+    if args.eval_users is None:
+        args.eval_users = args.user + ",scripted:heldout" * args.user.startswith("scripted")
+    for u in args.eval_users.split(","):
+        if error := users.check_user(u):
+            common.fail("--eval-users", error)
     if args.user == "oracle":
         common.fail("--user", "oracle is the gold user of the oracle agent (sft.py, tests); RL needs scripted, none, "
                     "local or openai:MODEL")
@@ -415,14 +426,21 @@ def log_line(m, steps) -> str:
 
 
 def heldout_pass1(model, tok, tasks, args, user_kw) -> dict:
-    """pass^1 of the greedy policy on the fixed held-out tasks (eval.py's settings), and its seconds."""
-    t0 = time.time()
+    """pass^1 of the greedy policy on the fixed held-out tasks (eval.py's settings) under each of --eval-users, and
+    its seconds. heldout_pass1 is the first user's (the training user's): the curve the plot draws."""
+    t0, by_user = time.time(), {}
     agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking)
     model.eval()
-    trajs = [t for t in rollout.run_episodes(agent, tok, tasks, user=args.user, max_turns=args.max_turns,
-                                             max_context=args.max_context, seed=args.seed, progress=False, **user_kw)
-             if not t.failed]
-    return dict(heldout_pass1=sum(t.reward >= 1 for t in trajs) / max(len(trajs), 1), eval_s=time.time() - t0)
+    for user in args.eval_users.split(","):
+        trajs = [t for t in rollout.run_episodes(agent, tok, tasks, user=user, max_turns=args.max_turns,
+                                                 max_context=args.max_context, seed=args.seed, progress=False,
+                                                 **user_kw) if not t.failed]
+        by_user[user] = sum(t.reward >= 1 for t in trajs) / max(len(trajs), 1)
+    return dict(heldout_pass1=next(iter(by_user.values())), heldout_by_user=by_user, eval_s=time.time() - t0)
+
+
+def heldout_line(m) -> str:
+    return ", ".join(f"{v:.3f} under {u}" for u, v in m["heldout_by_user"].items())
 
 
 # ---------------------------------------------------------------- the loop
@@ -452,7 +470,7 @@ def main(argv=None):
 
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
         log(dict(step=0, **heldout_pass1(model, tok, heldout, args, user_kw)))
-        print(f"step   0 | held-out pass^1 {metrics[-1]['heldout_pass1']:.3f} on {len(heldout)} tasks")
+        print(f"step   0 | held-out pass^1 {heldout_line(metrics[-1])} on {len(heldout)} tasks")
     for step in range(start, args.steps):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
@@ -471,6 +489,8 @@ def main(argv=None):
         m["s_per_step"] = time.time() - t0
         log(m)
         print(log_line(m, args.steps), flush=True)
+        if "heldout_by_user" in m:
+            print(f"step {step + 1:3d} | held-out pass^1 {heldout_line(m)} on {len(heldout)} tasks", flush=True)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
             common.save_checkpoint(args.out, step + 1, model, optimizer, metrics)
     model.save_pretrained(os.path.join(args.out, "adapter"), selected_adapters=["default"])

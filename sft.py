@@ -17,7 +17,7 @@ What it does
      --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
 Run
-  python sft.py                          # CPU preset -> runs/sft/adapter (sized for ~10 min on 2 cores)
+  python sft.py                          # CPU preset -> runs/sft/adapter (sized for <= 15 min on 2 cores)
   python sft.py --smoke --out /tmp/sft   # 1 step on real data (tests/test_sft.py)
   python sft.py --user none --out runs/sft_none   # the no-user cold start: the whole task in the first message,
                                          #   the oracle asks nothing and confirms nothing (rl.py --user none's init)
@@ -30,9 +30,11 @@ Run
 Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
   tuning      full fine-tuning, Qwen3 8-32B -> LoRA r=16, alpha=32 on all linear layers (4-bit base on GPU);
               full FT's fp32 Adam state would not fit a consumer GPU.
-  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: the two
-              easy-tier scenarios (retail cancel_order, airline add_bags), the tier rl.py's CPU preset
-              trains on: 10 minutes on 2 cores buy a few dozen conversations, too few to cover 12.
+  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: 7 per scenario
+              of the seven medium-tier ones (49), the tier rl.py's CPU preset trains on: their openings
+              withhold facts, so the gold agent asks. 15 minutes on 2 cores buy about 50 conversations.
+  users       GPT-4o with varied personas -> the training personas (users.PERSONAS), one drawn per
+              conversation (--user scripted:train); the held-out ones are refused here.
   epochs      2 -> gpu 2; cpu 1 (new tasks rather than repeats: more ids for the agent to copy).
   batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2: a short run needs more, smaller steps.
   lr          5e-6 -> gpu 1e-4, cpu 1e-3: a LoRA delta starts at zero and, with alpha/r = 2, needs a
@@ -59,14 +61,14 @@ import rollout
 from envs import ours
 
 
-# Sizes by machine: cpu is sized for ~10 minutes on 2 cores, gpu follows the paper's data size.
+# Sizes by machine: cpu is sized for <= 15 minutes on 2 cores, gpu follows the paper's data size.
 ALL_TIERS = "easy,medium,hard"
 PRESETS = {
-    "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
+    "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, user="scripted:train", epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
                   max_len=8192, save_every=20, max_turns=30,   # 167 x 12 scenarios = 2,004 conversations, as in the paper
                   grad_checkpointing="on"),          # 4 x 2.6k tokens of layer activations fit 24 GB only with it
-    "cpu":   dict(tasks_per_scenario=20, tiers="easy", epochs=1, batch_size=2, micro_batch_size=1, lr=1e-3,
-                  max_len=4096, save_every=4, max_turns=30, grad_checkpointing="off"),
+    "cpu":   dict(tasks_per_scenario=7, tiers="medium", user="scripted:train", epochs=1, batch_size=2,
+                  micro_batch_size=1, lr=1e-3, max_len=4096, save_every=4, max_turns=30, grad_checkpointing="off"),
     "smoke": dict(tasks_per_scenario=1, tiers=ALL_TIERS, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3,
                   max_len=1800, save_every=1, max_steps=1, max_turns=30, grad_checkpointing="off"),
 }
