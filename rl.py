@@ -54,7 +54,7 @@ import users
 # in one draw (4 a domain), every group with reward variance trained, in two mini-batches (two optimizer steps on
 # the step's rollouts, so the ratio leaves 1 and the clip and KL can act). The medium tier of both domains: its
 # openings withhold facts, so an agent must ask. The training personas, one drawn per conversation; the curve
-# also under the held-out ones. T = 0.7: at 1.0 most of the 135M policy's failures are sampling noise. lr 1e-4:
+# (4 tasks a domain, a rough check: eval.py measures) also under the held-out ones, in one batch. T = 0.7: at 1.0 most of the 135M policy's failures are sampling noise. lr 1e-4:
 # Adam's first step moves every LoRA weight by ~lr, and at 2e-4 one step collapsed the policy (docs/results.md).
 PRESETS = {
     "gpu": dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
@@ -63,7 +63,7 @@ PRESETS = {
                 grad_checkpointing="on"),
     "cpu": dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=6, **common.CPU_LIMITS, micro_batch=2,
                 mini_batches=2, lr=1e-4, temperature=0.7, domains="retail,airline", tiers="medium",
-                user="scripted:train", ckpt_every=1, eval_every=1, eval_tasks=6, grad_checkpointing="off"),
+                user="scripted:train", ckpt_every=1, eval_every=1, eval_tasks=4, grad_checkpointing="off"),
     "smoke": dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
                   max_context=2560, micro_batch=2, lr=1e-4, temperature=1.0, domains="retail,airline", tiers="easy",
                   ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off"),
@@ -241,10 +241,14 @@ def plot(metrics, path, temperature):
     evals = [m for m in metrics if m.get("heldout_pass1") is not None]
     axes[0].plot([m["step"] for m in trained], [m["pass_rate"] for m in trained], marker=".",
                  label=f"training rollouts (T = {temperature:g})")
-    axes[0].plot([m["step"] for m in evals], [m["heldout_pass1"] for m in evals], marker="o", label="held-out (greedy)")
+    curves = {}                                   # a curve per user of --eval-users
     for m in evals:
-        axes[0].annotate(f"{m['heldout_pass1']:.3f}", (m["step"], m["heldout_pass1"]), textcoords="offset points",
-                         xytext=(0, 6), ha="center", fontsize=8)
+        for user, v in (m.get("heldout_by_user") or {"--user": m["heldout_pass1"]}).items():
+            curves.setdefault(user, []).append((m["step"], v))
+    for user, points in curves.items():
+        axes[0].plot(*zip(*points), marker="o", label=f"held-out, greedy, {user}")
+        for x, y in points:
+            axes[0].annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     axes[0].set(title="pass^1", xlabel="step", ylim=(-0.02, 1.1))
     axes[0].set_xticks(sorted({m["step"] for m in metrics}))
     kl = [m for m in trained if m["kl"] is not None]
@@ -426,17 +430,20 @@ def log_line(m, steps) -> str:
 
 
 def heldout_pass1(model, tok, tasks, args, user_kw) -> dict:
-    """pass^1 of the greedy policy on the fixed held-out tasks (eval.py's settings) under each of --eval-users, and
-    its seconds. heldout_pass1 is the first user's (the training user's): the curve the plot draws."""
-    t0, by_user = time.time(), {}
+    """pass^1 of the greedy policy on the fixed held-out tasks (eval.py's settings) under each of --eval-users, all
+    users' episodes in one batch, and its seconds. heldout_pass1 is the first user's (the training user's): the
+    curve the plot draws."""
+    t0, specs = time.time(), args.eval_users.split(",")
     agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking)
     model.eval()
-    for user in args.eval_users.split(","):
-        trajs = [t for t in rollout.run_episodes(agent, tok, tasks, user=user, max_turns=args.max_turns,
-                                                 max_context=args.max_context, seed=args.seed, progress=False,
-                                                 **user_kw) if not t.failed]
-        by_user[user] = sum(t.reward >= 1 for t in trajs) / max(len(trajs), 1)
-    return dict(heldout_pass1=next(iter(by_user.values())), heldout_by_user=by_user, eval_s=time.time() - t0)
+    trajs = rollout.run_episodes(agent, tok, tasks * len(specs), user=[u for u in specs for _ in tasks],
+                                 max_turns=args.max_turns, max_context=args.max_context, seed=args.seed,
+                                 progress=False, **user_kw)
+    by_user = {}
+    for k, user in enumerate(specs):
+        ok = [t for t in trajs[k * len(tasks):(k + 1) * len(tasks)] if not t.failed]
+        by_user[user] = sum(t.reward >= 1 for t in ok) / max(len(ok), 1)
+    return dict(heldout_pass1=by_user[specs[0]], heldout_by_user=by_user, eval_s=time.time() - t0)
 
 
 def heldout_line(m) -> str:

@@ -349,7 +349,8 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
     for i, task in enumerate(tasks):
         for g in trials:
             env = envs.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
-            made.append((env, envs.make_user(user, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
+            spec = user if isinstance(user, str) else user[i]
+            made.append((env, envs.make_user(spec, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
                                              **user_kw), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []
@@ -419,14 +420,15 @@ def user_turn(traj, said, fmt):
         _append_turn(traj, fmt, "user", said)
 
 
-def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str = "scripted", max_turns: int = 30,
+def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str | list = "scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
                  user_workers: int = 256, first_trial: int = 0, **user_kw) -> list[Trajectory]:
     """len(tasks) * group_size rollouts, task-major: trials first_trial .. first_trial + group_size - 1 of each
     task (rl.py --screen samples a group's first trials, then the rest of some). Each round every conversation
     waiting on the agent is advanced by one agent.act() call; then each runs its tool call or gets its user's
-    reply, users asked together (user_workers at a time: an LLM user waits on the network). user_kw goes to the
-    user (the local user's own model= and tokenizer=: the first three parameters are positional-only so that
+    reply, users asked together (user_workers at a time: an LLM user waits on the network). user: one --user spec,
+    or a list of them, one per task (rl.py's curve runs each of its users' episodes in one batch). user_kw goes to
+    the user (the local user's own model= and tokenizer=: the first three parameters are positional-only so that
     they can).
     Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs). The chat
     format (e.g. thinking on or off) is the agent's."""
