@@ -259,3 +259,39 @@ def test_the_gold_agent_solves_every_persona_with_slack():
         print(f"{tier}: longest {top}, a cap with 1.5x slack: {math.ceil(1.5 * top)}")
     assert not bad, bad[:5]
     assert 1.5 * max(longest.values()) <= CAP, longest
+
+
+def test_the_cpu_presets_limits_leave_the_gold_agent_slack_on_their_tier():
+    """The CPU presets' episode limits (common.CPU_LIMITS, the medium tier) are set from the gold agent: through the
+    real loop, at those limits, it solves N_TASKS held-out medium tasks of each persona x domain; 1.5 x its longest
+    episode fits the turn cap, its longest message the tokens a turn, and its longest conversation plus a turn the
+    context with room to spare (x 1.2)."""
+    tok, limits = rollout.load_tokenizer(), common.CPU_LIMITS
+    turns, message, length, failed = 0, 0, 0, []
+    for name in users.PERSONAS:
+        tasks = [t for d in ours.DOMAINS for t in ours.make_tasks(d, "test", N_TASKS, ["medium"])]
+        for t in rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=f"scripted:{name}", progress=False,
+                                      max_turns=limits["max_turns"], max_context=limits["max_context"]):
+            failed += [(name, t.task_id, t.stop_reason)] * (t.reward != 1.0)
+            turns, length = max(turns, t.turns), max(length, len(t.token_ids))
+            message = max([message] + [len(tok(m["content"])["input_ids"]) for m in t.messages
+                                        if m["role"] == "assistant"])
+    print(f"\nthe gold agent on the medium tier: longest episode {turns} turns, message {message} tokens, "
+          f"conversation {length} tokens; the CPU limits: {limits}")
+    assert not failed, failed[:5]
+    assert 1.5 * turns <= limits["max_turns"] and message < limits["max_new_tokens"]
+    assert 1.2 * (length + limits["max_new_tokens"]) <= limits["max_context"], (length, limits)
+
+
+def test_a_list_of_users_runs_each_tasks_episode_with_its_own_user_as_alone():
+    """run_episodes(user=[spec per task]) (rl.py's curve: every user's episodes in one batch) gives each task the
+    episode it gets when run alone under its spec."""
+    tok = rollout.load_tokenizer()
+    tasks = ours.make_tasks("retail", "test", 2, ["medium"]) + ours.make_tasks("airline", "test", 2, ["medium"])
+    specs = ["scripted:chatty", "scripted:curious"]
+    together = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks * 2, user=[u for u in specs for _ in tasks],
+                                    seed=5, progress=False)
+    alone = [t for u in specs for t in rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=u, seed=5,
+                                                            progress=False)]
+    assert [t.messages for t in together] == [t.messages for t in alone]
+    assert together[0].messages != together[len(tasks)].messages          # the two users differ on the same task
