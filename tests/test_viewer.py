@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import common
 import eval as ev
 import rl
 import rollout
@@ -346,15 +347,19 @@ REPLY = "Could you add two checked bags to my reservation, please? I pay with my
 
 
 def long_episode(fmt, prompt, rng, task, group, trial):
-    """As long as the CPU presets let an episode run: 7 agent turns of 80 sampled tokens, each answered by the user.
-    The agent's tokens are drawn from the system prompt's (words, not noise); the reward is a coin."""
+    """As long as the CPU presets let an episode run (common.CPU_LIMITS): agent turns of the most sampled tokens a
+    turn, each answered by the user, until the next would pass the context limit or the turn cap. The agent's tokens
+    are drawn from the system prompt's (words, not noise); the reward is a coin."""
+    limits = common.CPU_LIMITS
     reward = float(rng.random() < 0.5)
     t = rollout.Trajectory(task, "airline", "add_bags", "easy", group, trial, list(prompt), [0] * len(prompt),
                            [0.0] * len(prompt), [{"role": "system", "content": "policy"}, {"role": "user", "content": "Hi"}],
-                           reward=reward, turns=7, stop_reason="max_turns",
+                           reward=reward, turns=0, stop_reason="context_limit",
                            diff="" if reward else "reservations.X32449.total_baggages: 0 (gold: 2)")
-    for _ in range(7):
-        ids, reply = rng.choices(prompt[200:1500], k=79) + [fmt.end_of_turn_id], fmt.delta_ids("user", REPLY)
+    while t.turns < limits["max_turns"] and len(t.token_ids) + 2 * limits["max_new_tokens"] <= limits["max_context"]:
+        t.turns += 1
+        ids = rng.choices(prompt[200:1500], k=limits["max_new_tokens"] - 1) + [fmt.end_of_turn_id]
+        reply = fmt.delta_ids("user", REPLY)
         t.token_ids += ids + reply
         t.loss_mask += [1] * len(ids) + [0] * len(reply)
         t.logprobs += [-rng.random() for _ in ids] + [0.0] * len(reply)
@@ -365,28 +370,28 @@ def long_episode(fmt, prompt, rng, task, group, trial):
 
 @pytest.mark.slow
 @needs_chromium
-def test_a_64_rollout_step_and_a_96_episode_eval_open_in_under_2_s(tmp_path, tok):
-    """The CPU presets' sizes at their longest: rl.py's step of 8 tasks x 8 rollouts, eval.py's 48 tasks x 2
-    agents, every episode 7 turns of 80 tokens. Chromium loads, lays out and screenshots each page in under 2 s more
+def test_a_48_rollout_step_and_a_192_episode_eval_open_in_under_2_s(tmp_path, tok):
+    """The CPU presets' sizes at their longest: rl.py's step of 8 tasks x 6 rollouts, eval.py's 48 tasks x 2
+    agents x 2 users (the training personas, the held-out ones), every episode run to the context limit. Chromium loads, lays out and screenshots each page in under 2 s more
     than an empty page, counted in CPU seconds (all its processes, best of 3): a page that needs less than 2 s of CPU
     opens in less than 2 s on one free core, and the count does not grow when other jobs share the machine, as the
     wall time does (both are printed)."""
     fmt, rng = rollout.ChatFormat(tok), random.Random(0)
     env = envs.make_env(envs.make_tasks("airline", "test", 40, ["easy"], 0)[0])
     prompt = fmt.prompt_ids(env.policy, "Hi, I want to add bags to my reservation.", env.tools)
-    trajs = [long_episode(fmt, prompt, rng, f"airline-train-{g}", g, k) for g in range(8) for k in range(8)]
-    groups = [trajs[g * 8:(g + 1) * 8] for g in range(8)]
+    trajs = [long_episode(fmt, prompt, rng, f"airline-train-{g}", g, k) for g in range(8) for k in range(6)]
+    groups = [trajs[g * 6:(g + 1) * 6] for g in range(8)]
     write_step(tmp_path / "rl", [trajs], groups, [g for g in groups if len({t.reward for t in g}) > 1], 0)
     os.makedirs(tmp_path / "eval")
     for a in ("sft", "rl"):
         ev.save_episodes(str(tmp_path / "eval" / f"episodes_{a}.jsonl"), a,
-                         [long_episode(fmt, prompt, rng, f"airline-test-{i}", i, 0) for i in range(48)])
+                         [long_episode(fmt, prompt, rng, f"airline-test-{i}", i, 0) for i in range(96)])
     json.dump({"agents": "sft,rl"}, open(tmp_path / "eval" / "args.json", "w"))
     vocab, pages = viewer.load_vocab(rollout.DEFAULT_MODEL), {"empty": str(tmp_path / "empty.html")}
     open(pages["empty"], "w").write("<!DOCTYPE html><html><body>empty</body></html>")
     for kind in ("rl", "eval"):
         html, n = viewer.build(str(tmp_path / kind), vocab)
-        assert n == {"rl": 64, "eval": 96}[kind]
+        assert n == {"rl": 48, "eval": 192}[kind]
         pages[kind] = str(tmp_path / f"{kind}.html")
         open(pages[kind], "w").write(html)
         open_in_chromium(pages[kind])
