@@ -28,11 +28,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-# The CPU presets' episode limits, shared so that RL trains on what eval measures, set from the gold agent on the
-# medium tier under every persona (docs/personas.md): its longest episode is 12 agent turns (x 1.5 = 18), its
-# longest message 152 tokens (a book_reservation call), its longest conversation 3,351 tokens with the ~2,300-token
-# system prompt (+ a turn's 192, x ~1.3 = 4,608).
-CPU_LIMITS = dict(max_turns=18, max_new_tokens=192, max_context=4608)
+# The CPU presets' tasks and episode limits, shared so that RL trains on what eval measures. The tasks: one
+# medium-tier scenario a domain, whose opening withholds the ids (the user must be asked) and whose write takes one
+# id: the seven medium scenarios at 7 gold conversations each left the 135M cold start at 0 successes in 48 rollouts
+# (docs/results.md). The limits, from the gold agent on these two under every persona (tests/test_personas.py): its
+# longest episode is 9 agent turns (x 1.5 = 14), its longest message 62 tokens, its longest conversation 2,894 tokens
+# with the ~2,300-token system prompt (+ a turn's 80, x 1.2 = 3,584).
+CPU_TIERS = "change_order_payment,cancel_trip"
+CPU_LIMITS = dict(max_turns=14, max_new_tokens=80, max_context=3584)
 TIERS = ("easy", "medium", "hard")
 
 
@@ -193,9 +196,12 @@ def check_args(args, at_least=None, finite=None, several_users=False, training=F
             if d not in envs.DOMAINS:
                 fail("--domains", f"unknown domain {d!r}; use a comma list of {', '.join(envs.DOMAINS)}")
     if getattr(args, "tiers", None) is not None:
+        from envs import ours
+        scenarios = [s for d in ours.DOMAINS for s in ours.SCENARIOS[d]]
         for t in args.tiers.split(","):
-            if t not in TIERS:
-                fail("--tiers", f"unknown tier {t!r}; use a comma list of {', '.join(TIERS)}")
+            if t not in TIERS and t not in scenarios:
+                fail("--tiers", f"unknown tier {t!r}; use a comma list of {', '.join(TIERS)} or of scenario names "
+                                f"({', '.join(scenarios)})")
     if getattr(args, "user", None) is not None:       # users.USER_KINDS and users.PERSONAS say what is valid
         for u in args.user.split(",") if several_users else [args.user]:
             if error := users.check_user(u, training):

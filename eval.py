@@ -78,7 +78,7 @@ import envs
 PRESETS = {
     "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout", max_turns=30, max_new_tokens=256, max_context=8192,
                 recheck=16),
-    "cpu": dict(n_tasks=24, trials=1, tiers="medium", user="scripted:train,scripted:heldout", **common.CPU_LIMITS,
+    "cpu": dict(n_tasks=24, trials=1, tiers=common.CPU_TIERS, user="scripted:train,scripted:heldout", **common.CPU_LIMITS,
                 recheck=0),
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
                   recheck=1),
@@ -103,7 +103,8 @@ def parse_args(argv=None):
     g = p.group("world")
     g.add_argument("--domains", default="retail,airline", help="comma-separated test domains (envs.DOMAINS)")
     g.add_argument("--n-tasks", type=int, default=None, help="held-out test tasks per domain")
-    g.add_argument("--tiers", default=None, help="only test tasks of these tiers, comma-separated")
+    g.add_argument("--tiers", default=None, help="only test tasks of these tiers (easy, medium, "
+                   "hard) or these scenarios by name, comma-separated")
     common.add_episode_args(p)
     g = p.group("algorithm")                      # what is measured, and how
     g.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n")

@@ -26,7 +26,7 @@ Simplifications versus the paper:
 - SmolLM2-135M-Instruct on CPU and LoRA instead of full fine-tuning; the reference is a frozen copy of the
   starting adapter on the same base weights.
 - Our procedural domains and a scripted user by default (a 135M model cannot play a user); PRESETS["cpu"] is the
-  same algorithm at small sizes, on the medium tier of both domains.
+  same algorithm at small sizes, on one medium-tier scenario of each domain (common.CPU_TIERS).
 - Dynamic sampling (DAPO) is ours: only groups whose rewards differ are trained. So is --screen (off by default):
   a group is finished only after its first rollouts showed a rare reward.
 - The CPU preset takes two optimizer steps per batch of rollouts (--mini-batches 2): the second sees a ratio away
@@ -52,8 +52,8 @@ import users
 
 # CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for <= 30 minutes: one step of 8 tasks x 6 rollouts
 # in one draw (4 a domain), every group with reward variance trained, in two mini-batches (two optimizer steps on
-# the step's rollouts, so the ratio leaves 1 and the clip and KL can act). The medium tier of both domains: its
-# openings withhold facts, so an agent must ask. The training personas, one drawn per conversation; the curve
+# the step's rollouts, so the ratio leaves 1 and the clip and KL can act). The CPU tasks (common.CPU_TIERS), one
+# medium scenario a domain: their openings withhold the ids, so an agent must ask. The training personas, one drawn per conversation; the curve
 # (4 tasks a domain, a rough check: eval.py measures) also under the held-out ones, in one batch. T = 0.7: at 1.0 most of the 135M policy's failures are sampling noise. lr 1e-4:
 # Adam's first step moves every LoRA weight by ~lr, and at 2e-4 one step collapsed the policy (docs/results.md).
 PRESETS = {
@@ -62,7 +62,7 @@ PRESETS = {
                 tiers="easy,medium,hard", user="scripted:train", ckpt_every=10, eval_every=10, eval_tasks=24,
                 grad_checkpointing="on"),
     "cpu": dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=6, **common.CPU_LIMITS, micro_batch=2,
-                mini_batches=2, lr=1e-4, temperature=0.7, domains="retail,airline", tiers="medium",
+                mini_batches=2, lr=1e-4, temperature=0.7, domains="retail,airline", tiers=common.CPU_TIERS,
                 user="scripted:train", ckpt_every=1, eval_every=1, eval_tasks=4, grad_checkpointing="off"),
     "smoke": dict(steps=2, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1, max_new_tokens=8,
                   max_context=2560, micro_batch=2, lr=1e-4, temperature=1.0, domains="retail,airline", tiers="easy",

@@ -30,9 +30,10 @@ Run
 Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
   tuning      full fine-tuning, Qwen3 8-32B -> LoRA r=16, alpha=32 on all linear layers (4-bit base on GPU);
               full FT's fp32 Adam state would not fit a consumer GPU.
-  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: 7 per scenario
-              of the seven medium-tier ones (49), the tier rl.py's CPU preset trains on: their openings
-              withhold facts, so the gold agent asks. 15 minutes on 2 cores buy about 50 conversations.
+  data        ~2,000 conversations, 9 scenarios -> gpu: 167 per scenario x 12 = 2,004; cpu: 20 of each of the
+              two scenarios rl.py's CPU preset trains on (common.CPU_TIERS: medium-tier retail
+              change_order_payment and airline cancel_trip, whose openings withhold the ids, so the gold
+              agent asks); 15 minutes on 2 cores buy about 50 conversations, too few for more scenarios.
   users       GPT-4o with varied personas -> the training personas (users.PERSONAS), one drawn per
               conversation (--user scripted:train); the held-out ones are refused here.
   epochs      2 -> gpu 2; cpu 1 (new tasks rather than repeats: more ids for the agent to copy).
@@ -67,7 +68,7 @@ PRESETS = {
     "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, user="scripted:train", epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
                   max_len=8192, save_every=20, max_turns=30,   # 167 x 12 scenarios = 2,004 conversations, as in the paper
                   grad_checkpointing="on"),          # 4 x 2.6k tokens of layer activations fit 24 GB only with it
-    "cpu":   dict(tasks_per_scenario=7, tiers="medium", user="scripted:train", epochs=1, batch_size=2,
+    "cpu":   dict(tasks_per_scenario=20, tiers=common.CPU_TIERS, user="scripted:train", epochs=1, batch_size=2,
                   micro_batch_size=1, lr=1e-3, max_len=4096, save_every=4, max_turns=30, grad_checkpointing="off"),
     "smoke": dict(tasks_per_scenario=1, tiers=ALL_TIERS, epochs=1, batch_size=1, micro_batch_size=1, lr=1e-3,
                   max_len=1800, save_every=1, max_steps=1, max_turns=30, grad_checkpointing="off"),
@@ -85,7 +86,8 @@ def parse_args(argv=None):
     g = p.group("world")                          # the data: which conversations the cold start learns from
     g.add_argument("--domains", default=",".join(ours.DOMAINS), help="comma-separated domains")
     g.add_argument("--tasks-per-scenario", type=int, default=None, help="train tasks per scenario")
-    g.add_argument("--tiers", default=None, help="scenarios of these tiers only")
+    g.add_argument("--tiers", default=None, help="scenarios of these tiers only (easy, medium, hard), or these "
+                   "scenarios by name")
     g.add_argument("--samples-per-task", type=int, default=1, help="conversations per task (user and phrasing vary)")
     common.add_user_args(p)
     common.add_episode_args(p, tokens=False)

@@ -553,14 +553,16 @@ def generate_tasks(domain, split, n, seed=0):
 
 
 def make_tasks(domain, split, n, tiers=None, seed=0):
-    """envs.make_tasks for our domains. tiers None: the first n tasks. Otherwise a training pool is the
-    tasks among the first n whose tier is in tiers (rl.py samples from it), and a test set is the first n
-    tasks of those tiers (eval.py's held-out set; rl.py's curve uses a later slice of it)."""
+    """envs.make_tasks for our domains. tiers None: the first n tasks. Otherwise (tier names, or scenario names:
+    a scenario is a tier of its own) a training pool is the tasks among the first n whose tier or scenario is in
+    tiers (rl.py samples from it), and a test set is the first n such tasks (eval.py's held-out set; rl.py's curve
+    uses a later slice of it)."""
     if tiers is None:
         return generate_tasks(domain, split, n, seed)
+    chosen = lambda t: t.tier in tiers or t.scenario in tiers      # noqa: E731
     if split == "train":
-        return [t for t in generate_tasks(domain, split, n, seed) if t.tier in tiers]
-    return [t for t in generate_tasks(domain, split, n * len(SCENARIOS[domain]), seed) if t.tier in tiers][:n]
+        return [t for t in generate_tasks(domain, split, n, seed) if chosen(t)]
+    return [t for t in generate_tasks(domain, split, n * len(SCENARIOS[domain]), seed) if chosen(t)][:n]
 
 
 def make_env(task, shaped=False):

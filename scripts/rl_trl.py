@@ -49,7 +49,7 @@ PRESETS = {
                 lr=2e-5, temperature=1.0, domains="retail,airline", tiers="easy,medium,hard", grad_checkpointing="on",
                 vllm="colocate", save_every=10),
     "cpu": dict(steps=1, tasks=2, group_size=4, **common.CPU_LIMITS, micro_batch=2, lr=1e-4, temperature=0.7,
-                domains="retail,airline", tiers="medium", user="scripted:train", grad_checkpointing="off", vllm="off",
+                domains="retail,airline", tiers=common.CPU_TIERS, user="scripted:train", grad_checkpointing="off", vllm="off",
                 save_every=1),
     "smoke": dict(steps=1, tasks=2, group_size=2, max_turns=2, max_new_tokens=8, max_context=2560, micro_batch=2,
                   lr=1e-4, temperature=1.0, domains="retail,airline", tiers="easy", grad_checkpointing="off",

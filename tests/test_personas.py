@@ -261,22 +261,23 @@ def test_the_gold_agent_solves_every_persona_with_slack():
     assert 1.5 * max(longest.values()) <= CAP, longest
 
 
-def test_the_cpu_presets_limits_leave_the_gold_agent_slack_on_their_tier():
-    """The CPU presets' episode limits (common.CPU_LIMITS, the medium tier) are set from the gold agent: through the
-    real loop, at those limits, it solves N_TASKS held-out medium tasks of each persona x domain; 1.5 x its longest
+def test_the_cpu_presets_limits_leave_the_gold_agent_slack_on_their_tasks():
+    """The CPU presets' episode limits (common.CPU_LIMITS, on common.CPU_TIERS) are set from the gold agent: through
+    the real loop, at those limits, it solves N_TASKS held-out tasks of each persona x domain; 1.5 x its longest
     episode fits the turn cap, its longest message the tokens a turn, and its longest conversation plus a turn the
     context with room to spare (x 1.2)."""
     tok, limits = rollout.load_tokenizer(), common.CPU_LIMITS
     turns, message, length, failed = 0, 0, 0, []
     for name in users.PERSONAS:
-        tasks = [t for d in ours.DOMAINS for t in ours.make_tasks(d, "test", N_TASKS, ["medium"])]
+        tasks = [t for d in ours.DOMAINS for t in ours.make_tasks(d, "test", N_TASKS, common.CPU_TIERS.split(","))]
+        assert len(tasks) == 2 * N_TASKS
         for t in rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=f"scripted:{name}", progress=False,
                                       max_turns=limits["max_turns"], max_context=limits["max_context"]):
             failed += [(name, t.task_id, t.stop_reason)] * (t.reward != 1.0)
             turns, length = max(turns, t.turns), max(length, len(t.token_ids))
             message = max([message] + [len(tok(m["content"])["input_ids"]) for m in t.messages
                                         if m["role"] == "assistant"])
-    print(f"\nthe gold agent on the medium tier: longest episode {turns} turns, message {message} tokens, "
+    print(f"\nthe gold agent on {common.CPU_TIERS}: longest episode {turns} turns, message {message} tokens, "
           f"conversation {length} tokens; the CPU limits: {limits}")
     assert not failed, failed[:5]
     assert 1.5 * turns <= limits["max_turns"] and message < limits["max_new_tokens"]
