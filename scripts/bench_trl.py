@@ -86,13 +86,15 @@ def task_ids(tasks: int) -> list[str]:
 
 def stage_argv(stage: str, args, out: str) -> list[str]:
     """STAGE.main's flags: the settings both sides share, then the stage's own (rl.py: one batch of exactly the
-    step's tasks, no held-out curve, an fp32 update), then --out."""
-    shared = ["--init", "base", "--steps", "1", "--domains", "retail,airline", "--tiers", "easy",
+    step's tasks, one optimizer step on them as TRL's, no held-out curve, an fp32 update), then --out. The workload is
+    fixed here, not taken from the CPU presets, so the measurement stays comparable when the default changes."""
+    shared = ["--init", "base", "--steps", "1", "--domains", "retail,airline", "--tiers", "easy", "--user", "scripted",
               "--tasks", str(args.tasks), "--group-size", str(args.group_size), "--max-turns", str(args.max_turns),
               "--max-new-tokens", str(args.max_new_tokens), "--max-context", str(args.max_context),
               "--micro-batch", str(args.micro_batch), "--temperature", "1.0", "--lr", "1e-4",
               "--grad-checkpointing", "off"] + (["--model", args.model] if args.model else [])
-    own = ["--draw", str(args.tasks), "--max-draws", "1", "--eval-every", "0", "--train-bf16", "off"] if stage == "rl" \
+    own = ["--draw", str(args.tasks), "--max-draws", "1", "--mini-batches", "1", "--eval-every", "0",
+           "--train-bf16", "off"] if stage == "rl" \
         else ["--vllm", "off"]             # scripts/rl_trl.py's GPU preset colocates vLLM: both sides generate on their own
     return shared + own + ["--out", out]
 
