@@ -87,7 +87,8 @@ def main(out):
             step = [m for m in ms if "reward" in m]
             print(f"  {ARMS[arm]}: {minutes:.1f} min; " + "; ".join(
                 f"step {m['step']}: reward {m['reward']:.3f}, groups with variance {m['groups_varied']} of "
-                f"{m['groups_drawn']}, trained {m['groups_trained']}, clip {num(m['clip_frac'])}, kl {m['kl']}"
+                f"{m['groups_drawn']}, trained {m['groups_trained']}, clip {num(m['clip_frac'])}, kl "
+                f"{'-' if m['kl'] is None else format(m['kl'], '.5f')}"
                 for m in step) + "; held-out curve " + " -> ".join(
                 json.dumps(m["heldout_by_user"]) for m in ms if "heldout_by_user" in m))
     p1, facts, vary = (diff("rl", "sft", HELDOUT, "pass1"), diff("rl", "sft", HELDOUT, "facts_asked"),
