@@ -118,7 +118,8 @@ def picture(results, out):
         ax.bar(xs, [y or 0 for y in ys], 0.13, color=color, label=label)
         for x, y in zip(xs, ys):
             ax.text(x, (y or 0) + 0.015, "n/a" if y is None else f"{y:.2f}", ha="center", fontsize=7)
-    ax.set_xticks(range(len(POOLS)), [f"evaluated under the\n{p}" for p in POOLS])
+    ax.set_xticks(range(len(POOLS)), [f"evaluated with\n{p}" if p == "no user" else f"evaluated under the\n{p}"
+                                      for p in POOLS])
     ax.set(ylabel="pass^1", ylim=(0, 1.08), title="30 held-out medium tasks (seed 12), retail + airline, greedy")
     fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=3, frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
