@@ -207,8 +207,8 @@ def test_teacher_path_talks_openai_chat_and_drops_failures(monkeypatch, tmp_path
         sft.make_data(args, rollout.load_tokenizer())
     stats = json.load(open(tmp_path / "data_stats.json"))
     assert stats["agent"] == "fake-model" and stats["kept"] == 0
-    tiers = args.tiers.split(",")                 # the preset's tiers: each scenario of those, tasks_per_scenario times
-    n_scenarios = len({t.scenario for t in ours.make_tasks("airline", "train", 50) if t.tier in tiers})
+    tiers = args.tiers.split(",")                 # the preset's tiers or scenarios: each of those, tasks_per_scenario times
+    n_scenarios = len({t.scenario for t in ours.make_tasks("airline", "train", 50, tiers)})
     assert stats["tried"] == args.tasks_per_scenario * n_scenarios
     assert seen and seen[0][0]["role"] == "system" and "<tools>" in seen[0][0]["content"]
     assert {m["role"] for msgs in seen for m in msgs} <= {"system", "user", "assistant"}
