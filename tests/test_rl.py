@@ -645,7 +645,8 @@ def test_the_plain_sampler_runs_rl_and_eval_with_the_fast_ones_tokens(tmp_path, 
     for kind in ("plain", "fast"):
         out = tmp_path / f"eval_{kind}"
         evaluate.main(["--model", model, "--agents", "base", "--domains", "retail", "--n-tasks", "2", "--tiers", "hard",
-                       "--max-turns", "2", "--max-new-tokens", "6", "--sampler", kind, "--out", str(out)])
+                       "--max-turns", "2", "--max-new-tokens", "6", "--user", "scripted", "--sampler", kind,
+                       "--out", str(out)])
         with open(out / "episodes_base.jsonl") as f:
             episodes[kind] = [json.loads(line) for line in f]
     assert len(episodes["plain"]) == 2 and sum(e["turns"] for e in episodes["plain"]) >= 2
