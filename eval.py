@@ -76,8 +76,8 @@ import envs
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each, under the training personas and
 # under the held-out ones; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
 PRESETS = {
-    "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout", max_turns=30, max_new_tokens=256, max_context=8192,
-                recheck=16),
+    "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout", max_turns=30,
+                max_new_tokens=256, max_context=8192, recheck=16),
     "cpu": dict(n_tasks=24, trials=1, tiers=common.CPU_TIERS, user="scripted:train,scripted:heldout", **common.CPU_LIMITS,
                 recheck=0),
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,

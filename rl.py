@@ -53,9 +53,10 @@ import users
 # CPU (2 cores, fp32, 135M), from the CPU SFT adapter, sized for <= 30 minutes: one step of 8 tasks x 6 rollouts
 # in one draw (4 a domain), every group with reward variance trained, in two mini-batches (two optimizer steps on
 # the step's rollouts, so the ratio leaves 1 and the clip and KL can act). The CPU tasks (common.CPU_TIERS), one
-# medium scenario a domain: their openings withhold the ids, so an agent must ask. The training personas, one drawn per conversation; the curve
-# (4 tasks a domain, a rough check: eval.py measures) also under the held-out ones, in one batch. T = 0.7: at 1.0 most of the 135M policy's failures are sampling noise. lr 1e-4:
-# Adam's first step moves every LoRA weight by ~lr, and at 2e-4 one step collapsed the policy (docs/results.md).
+# medium scenario a domain: their openings withhold the ids, so an agent must ask. The training personas, one drawn
+# per conversation; the curve (4 tasks a domain, a rough check: eval.py measures) also under the held-out ones, in
+# one batch. T = 0.7: at 1.0 most of the 135M policy's failures are sampling noise. lr 1e-4: Adam's first step moves
+# every LoRA weight by ~lr, and at 2e-4 one step collapsed the policy (docs/results.md).
 PRESETS = {
     "gpu": dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
                 max_context=8192, micro_batch=1, lr=2e-5, temperature=1.0, domains="retail,airline",

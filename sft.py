@@ -34,7 +34,7 @@ Hyper-parameters: paper -> ours (presets in PRESETS; every value is a flag)
               two scenarios rl.py's CPU preset trains on (common.CPU_TIERS: medium-tier retail
               change_order_payment and airline cancel_trip, whose openings withhold the ids, so the gold
               agent asks); 15 minutes on 2 cores buy about 50 conversations, too few for more scenarios.
-  users       GPT-4o with varied personas -> the training personas (users.PERSONAS), one drawn per
+  users       GPT-4o -> the training personas (users.PERSONAS), one drawn per
               conversation (--user scripted:train); the held-out ones are refused here.
   epochs      2 -> gpu 2; cpu 1 (new tasks rather than repeats: more ids for the agent to copy).
   batch       128 -> gpu 32 (4 x 8 accumulation); cpu 2: a short run needs more, smaller steps.
@@ -65,8 +65,9 @@ from envs import ours
 # Sizes by machine: cpu is sized for <= 15 minutes on 2 cores, gpu follows the paper's data size.
 ALL_TIERS = "easy,medium,hard"
 PRESETS = {
-    "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, user="scripted:train", epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,
-                  max_len=8192, save_every=20, max_turns=30,   # 167 x 12 scenarios = 2,004 conversations, as in the paper
+    "gpu":   dict(tasks_per_scenario=167, tiers=ALL_TIERS, user="scripted:train",   # 167 x 12 scenarios = 2,004
+                  epochs=2, batch_size=32, micro_batch_size=4, lr=1e-4,               # conversations, as in the paper
+                  max_len=8192, save_every=20, max_turns=30,
                   grad_checkpointing="on"),          # 4 x 2.6k tokens of layer activations fit 24 GB only with it
     "cpu":   dict(tasks_per_scenario=20, tiers=common.CPU_TIERS, user="scripted:train", epochs=1, batch_size=2,
                   micro_batch_size=1, lr=1e-3, max_len=4096, save_every=4, max_turns=30, grad_checkpointing="off"),

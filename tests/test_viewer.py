@@ -372,10 +372,10 @@ def long_episode(fmt, prompt, rng, task, group, trial):
 @needs_chromium
 def test_a_48_rollout_step_and_a_192_episode_eval_open_in_under_2_s(tmp_path, tok):
     """The CPU presets' sizes at their longest: rl.py's step of 8 tasks x 6 rollouts, eval.py's 48 tasks x 2
-    agents x 2 users (the training personas, the held-out ones), every episode run to the context limit. Chromium loads, lays out and screenshots each page in under 2 s more
-    than an empty page, counted in CPU seconds (all its processes, best of 3): a page that needs less than 2 s of CPU
-    opens in less than 2 s on one free core, and the count does not grow when other jobs share the machine, as the
-    wall time does (both are printed)."""
+    agents x 2 users (the training personas, the held-out ones), every episode run to the context limit. Chromium
+    loads, lays out and screenshots each page in under 2 s more than an empty page, counted in CPU seconds (all its
+    processes, best of 3): a page that needs less than 2 s of CPU opens in less than 2 s on one free core, and the
+    count does not grow when other jobs share the machine, as the wall time does (both are printed)."""
     fmt, rng = rollout.ChatFormat(tok), random.Random(0)
     env = envs.make_env(envs.make_tasks("airline", "test", 40, ["easy"], 0)[0])
     prompt = fmt.prompt_ids(env.policy, "Hi, I want to add bags to my reservation.", env.tools)
