@@ -80,6 +80,12 @@ def main(out):
         for pool, users in POOLS.items():
             print(f"  {ARMS[rl]} - {ARMS[sft]}, {pool}: {show(diff(rl, sft, users, 'pass1'))}; "
                   f"{show(diff(rl, sft, users, 'facts_asked'))}")
+    print("\n(a) - each other arm, paired (pass^1; facts asked for): vary the user (b), the user in the loop (c), "
+          "the cold start (d):")
+    for other in ("rl_one", "rl_none", "rl_base"):
+        for pool, users in POOLS.items():
+            print(f"  {ARMS['rl']} - {ARMS[other]}, {pool}: {show(diff('rl', other, users, 'pass1'))}; "
+                  f"{show(diff('rl', other, users, 'facts_asked'))}")
     print("\nRL runs:")
     for arm in ("rl", "rl_one", "rl_none", "rl_base"):
         minutes, ms = rl_minutes(out, arm)

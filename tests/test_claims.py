@@ -34,6 +34,10 @@ def test_the_bar_pools_the_held_out_personas_by_task_and_says_met_or_missed(tmp_
     assert line.startswith("  RL(a) - SFT, pass^1: +0.250 [+") and "(5 won, 0 lost)" in line and line.endswith(": MET")
     assert "RL(a) - SFT, facts asked for: +0.250" in printed and "(>= +0.10): MET" in printed
     assert "RL(a) - RL(b), pass^1 (vary the user; no threshold): +0.150" in printed
+    # the between-arms table pairs the same way, and prints a dash where an arm is not evaluated yet
+    assert ("(a) RL, training personas - (b) RL, one persona (default), held-out personas: +0.150 [" in printed
+            and "(3 won, 0 lost)" in printed)
+    assert "(a) RL, training personas - (d) RL from the base model, held-out personas: -; -" in printed
     assert os.path.exists(os.path.join(out, "claims.png"))
 
 
