@@ -1,29 +1,30 @@
 """common.py: what the stages (sft.py, rl.py, scripts/rl_trl.py, eval.py) share, written once.
 
   Parser, fail                            argparse with one line per bad value (exit 2)
-  add_run_args, add_model_args,           the flags stages share: seed/out/smoke/preset, the model, the user,
-  add_user_args, add_episode_args,        an episode's limits, and the GRPO flags of rl.py and scripts/rl_trl.py
-  add_grpo_args
+  add_run_args, add_model_args,           the flags stages share: seed/out/smoke/preset, the model, the user, an
+  add_user_args, add_episode_args         episode's limits
   parse_with_preset, CPU_LIMITS           one preset scheme: PRESETS = {"gpu", "cpu", "smoke"} per stage, the
                                           numbers in use shown by --help
   check_args                              bad input caught before any model loads
   start_run                               threads, print and save the arguments, make --out, refuse a resume
                                           with other settings
-  user_kwargs                             what run_episodes needs to build the chosen user simulator
-  figure, save_figure                     matplotlib without a display, for each stage's PNG
+  user_factory                            the one builder of each conversation's simulated user
+  log_metrics, plot_panels                a step's line in metrics.jsonl, a stage's PNG
+  figure, save_figure                     matplotlib without a display
   save_checkpoint, resume                 one checkpoint layout: the last two kept, the newest verified, and
                                           one way to resume from it (adapter, optimizer, scheduler, RNG, metrics)
+  sequence_logprobs, cut_shared_prefix,   the training passes of sft.py and rl.py's fast pass: each domain's system
+  shared_prefix_logprobs                  prompt through the model once a pass, the lm_head in chunks
 A stage imports this file, the world (envs) and the loop (rollout); never another stage.
 """
 import argparse
-import contextlib
+import itertools
 import json
 import math
 import os
 import random
 import shutil
 import sys
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 # medium-tier scenario a domain, whose opening withholds the ids (the user must be asked) and whose write takes one
 # id: the seven medium scenarios at 7 gold conversations each left the 135M cold start at 0 successes in 48 rollouts
 # (docs/results.md). The limits, from the gold agent on these two under every persona (tests/test_personas.py): its
-# longest episode is 9 agent turns (x 1.5 = 14), its longest message 62 tokens, its longest conversation 2,894 tokens
-# with the ~2,300-token system prompt (+ a turn's 80, x 1.2 = 3,584).
+# longest episode is 9 agent turns (x 1.5 = 14), its longest message 62 tokens, its longest conversation 2,894 tokens,
+# system prompt included (retail's 1,759 tokens, airline's 1,581; + a turn's 80, x 1.2 = 3,584).
 CPU_TIERS = "change_order_payment,cancel_trip"
 CPU_LIMITS = dict(max_turns=14, max_new_tokens=80, max_context=3584)
 TIERS = ("easy", "medium", "hard")
@@ -141,41 +142,6 @@ def add_episode_args(p: Parser, tokens: bool = True):
         g.add_argument("--max-context", type=int, default=None, help="episode token limit")
 
 
-def add_grpo_args(p: Parser):
-    """The flags of GRPO itself, the same in rl.py and scripts/rl_trl.py (TRL's names in brackets)."""
-    g = p.group("run")
-    g.add_argument("--steps", type=int, default=None, help="GRPO steps; a larger value resumes a run")
-    g = p.group("model")
-    g.add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at it), 'base' (no "
-                   "cold start: a fresh LoRA, the reference the base model), or 'auto' = runs/sft/adapter if present "
-                   "else base")
-    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
-    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
-    g = p.group("world")
-    g.add_argument("--domains", default=None, help="comma-separated train domains")
-    g.add_argument("--tiers", default=None, help="task tiers to train on")
-    add_episode_args(p)
-    g = p.group("algorithm")
-    g.add_argument("--tasks", type=int, default=None, help="groups trained per step (paper 32)")
-    g.add_argument("--group-size", type=int, default=None, help="rollouts per task G [num_generations] (paper 8)")
-    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (paper 1.0)")
-    g.add_argument("--kl-coef", type=float, default=0.001, help="beta for the k3 KL to the reference (paper 0.001) "
-                   "[beta; TRL's default is 0]")
-    g.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon, both sides (paper 0.2) [epsilon]")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
-    g = p.group("ablation")
-    g.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="task reward (Env.reward); "
-                   "shaped: partial credit for correct writes")
-    g.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean: every "
-                   "sampled token weighs the same (DAPO, the official code) [dapo]; seq-mean: every rollout does "
-                   "(GRPO paper) [grpo]")
-    g = p.group("performance")
-    g.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward "
-                   "[per_device_train_batch_size]")
-    g.add_argument("--grad-checkpointing", default=None, choices=["on", "off"], help="recompute activations in "
-                   "backward (GPU on; CPU off, which lets the system prompt run once per pass)")
-
-
 def check_args(args, at_least=None, finite=None, several_users=False, training=False):
     """Exit 2 with one line on the first bad value, before any model loads or any file is written.
     at_least: {flag name: minimum} for ints; finite: {flag name: (low, strict)} for floats (value > low if
@@ -217,35 +183,59 @@ def check_args(args, at_least=None, finite=None, several_users=False, training=F
 
 
 def start_run(args, out: str | None = None, may_change=None):
-    """The run's preamble: 2 torch threads on a CPU (a shared 2-core machine), the arguments printed and
-    saved as <out>/args.json (when given). may_change: when given, a rerun that would resume <out>'s checkpoints with any
-    other argument changed is refused (one line), since it would mix two runs in one."""
+    """The run's preamble: 2 torch threads on a CPU (a shared 2-core machine), the arguments printed and saved as
+    <out>/args.json (when given). may_change, for a stage that resumes: when <out>/args.json holds a run whose
+    settings differ in any argument but these, the rerun is refused in one line (exit 2) before anything is loaded
+    or written, since it would mix two runs in one folder (or claim the old one's results as its own). A flag the
+    saved run predates is taken as unchanged."""
+    path = os.path.join(out, "args.json") if out else None
+    if may_change is not None and path and os.path.exists(path):
+        with open(path) as f:
+            before = json.load(f)
+        diff = [f"--{k.replace('_', '-')} {before[k]!r} there, {v!r} now" for k, v in vars(args).items()
+                if k not in (*may_change, "out") and k in before and before[k] != v]   # a folder may move
+        if diff:
+            fail("--out", f"{out} holds a run with other settings ({'; '.join(diff)}): pick another --out, or "
+                 "delete it to start over")
     if not torch.cuda.is_available():
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     print(vars(args))
     if out is None:
         return
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "args.json")
-    if may_change is not None and checkpoints(out) and os.path.exists(path):
-        with open(path) as f:
-            before = {k: v for k, v in json.load(f).items() if k not in may_change}
-        diff = {k: (before.get(k), v) for k, v in vars(args).items() if k not in may_change and before.get(k) != v}
-        if diff:
-            raise SystemExit(f"{out} holds a run with other settings {diff}: pick another --out or delete it")
     with open(path, "w") as f:
         json.dump(vars(args), f, indent=1)
 
 
-def user_kwargs(args, model=None, tokenizer=None, user=None) -> dict:
-    """run_episodes' user arguments for user (default --user): the server of an openai: user, the model of a local
-    one, the pool size."""
-    kw, user = {"user_workers": args.user_workers}, user or args.user
-    if user.startswith("openai:"):
-        kw["base_url"] = args.user_base_url
-    if user == "local":
-        kw["model"], kw["tokenizer"] = model, tokenizer
-    return kw
+def user_factory(args, model=None, tokenizer=None, spec=None):
+    """The one builder of each conversation's simulated user for spec (default --user): an envs.UserFactory with
+    what that kind needs, the server of an openai: user or the model of a local one."""
+    import envs
+    spec = spec or args.user
+    settings = {"base_url": args.user_base_url} if spec.startswith("openai:") else \
+        {"model": model, "tokenizer": tokenizer} if spec == "local" else {}
+    return envs.UserFactory(spec, settings)
+
+
+def log_metrics(out: str, metrics: list, m: dict):
+    """A step's numbers: appended to metrics and, as a line, to <out>/metrics.jsonl."""
+    metrics.append(m)
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(m) + "\n")
+
+
+def plot_panels(path: str, panels: list, dpi: int = 90):
+    """A stage's PNG: a row of line charts, panels [(title, {label: [(step, value), ...]}, ylim or None)]; x is the
+    step, every point marked (a CPU run has a few steps), a None value left out."""
+    fig, axes = figure(len(panels), (4 * len(panels), 3.4))
+    for ax, (title, lines, ylim) in zip(axes, panels):
+        for label, points in lines.items():
+            if points := [(x, y) for x, y in points if y is not None]:
+                ax.plot(*zip(*points), marker="o", label=label or None)
+        ax.set(title=title, xlabel="step", ylim=ylim)
+        if any(lines):
+            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    save_figure(fig, path, dpi)
 
 
 def figure(ncols: int, size: tuple, **kw):
@@ -351,9 +341,9 @@ def resume(out, model, optimizer, scheduler=None) -> tuple[int, list[dict]]:
 
 
 # ----------------------------------------------------------------------------- training passes
-# sft.py and rl.py train on batches of trajectories: token ids with a loss mask, most of them starting with their
-# domain's system prompt. What follows pads them into micro-batches, runs that shared prefix once a pass, and gives
-# the per-token log-probs of the tokens that were sampled (kernels.masked_logprobs_chunked under the lm_head).
+# sft.py and rl.py (--logprob-pass fast) train on micro-batches of trajectories (rollout.micro_batches), most rows
+# starting with their domain's system prompt. What follows cuts that shared prefix off and runs it once a pass, and
+# gives the per-token log-probs of the tokens that were sampled (kernels.masked_logprobs_chunked under the lm_head).
 
 def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, chunk=4096,
                       past_key_values=None):
@@ -365,7 +355,7 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     Positions count real tokens (attention_mask.cumsum - 1), as HF generate does with left padding;
     for right-padded sequences that start at position 0 they are simply 0, 1, 2, ...
     Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
-    past_key_values: a cache of P tokens that every row continues (see prefix_run_once);
+    past_key_values: a cache of P tokens that every row continues (see shared_prefix_logprobs);
     positions then start at P, and column 0 is still 0 (its context ends inside the cache).
     """
     # imported here, not at the top: importing common must not import triton, so that scripts/gpu_check.py --cpu
@@ -395,59 +385,47 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
 
 
-def pad_right(seqs, pad_id: int, max_len: int | None = None):
-    """seqs: (token_ids, loss_mask) pairs -> input_ids, attention_mask, loss_mask, each (B, T) long, right-padded
-    and cut at max_len. Masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which
-    the policy samples and is trained on."""
-    T = max(len(ids) for ids, _ in seqs)
-    T = min(T, max_len) if max_len else T
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (tok, m) in enumerate(seqs):
-        n = min(T, len(tok))
-        ids[i, :n] = torch.tensor(tok[:n])
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(m[:n])
-    return ids, attn, mask
-
-
-class PrefixBatch(NamedTuple):
-    """Sequences that start with the same untrained prefix (a domain's system prompt), cut into micro-batches."""
-    prefix: torch.Tensor        # (P,) long: run once a pass for every row (P = 0: no sharing)
-    micro: list                 # [(input_ids, attention_mask, loss_mask)], each (b, T - P), the rest of each row
-    rows: list                  # [row indices of each micro-batch], into the sequences given
-
-
-def prefix_batches(token_ids, loss_masks, keys, micro_batch: int, pad_id: int, share: bool = True,
-                   max_len: int | None = None, device=None) -> list[PrefixBatch]:
-    """Group sequences by key (rows of one key share their prefix; keys in first-seen order, rows in the order
-    given), find the longest prefix a group shares and trains on none of (shared_prefix_len; 0 without share),
-    and pad the rest of each row into micro-batches of micro_batch rows, cut at max_len in all."""
-    by_key = {}
-    for i, k in enumerate(keys):
-        by_key.setdefault(k, []).append(i)
+def cut_shared_prefix(micro: list) -> list:
+    """rollout.micro_batches with the tokens each key's rows all start with and none trains on (shared_prefix_len)
+    cut off the rows and kept once, as the micro-batches' prefix: shared_prefix_logprobs runs it once a pass."""
     out = []
-    for idx in by_key.values():
-        P = shared_prefix_len([token_ids[i] for i in idx], [loss_masks[i] for i in idx]) if share else 0
-        P = min(P, max_len - 1) if max_len else P
-        rows = [idx[s:s + micro_batch] for s in range(0, len(idx), micro_batch)]
-        micro = [tuple(x.to(device) for x in pad_right([(token_ids[i][P:], loss_masks[i][P:]) for i in r], pad_id,
-                                                        max_len - P if max_len else None)) for r in rows]
-        out.append(PrefixBatch(torch.tensor(token_ids[idx[0]][:P], dtype=torch.long, device=device), micro, rows))
+    for _, run in itertools.groupby(micro, key=lambda b: b.key):     # a key's micro-batches are consecutive
+        run = list(run)
+        rows = [(b.ids[r, :n].tolist(), b.mask[r, :n].tolist()) for b in run for r, n in enumerate(b.attn.sum(1))]
+        P = shared_prefix_len([ids for ids, _ in rows], [mask for _, mask in rows])
+        prefix = run[0].ids[0, :P].clone()                                       # (P,) long, one tensor for the key
+        out += [b._replace(ids=b.ids[:, P:].contiguous(), attn=b.attn[:, P:].contiguous(),
+                           mask=b.mask[:, P:].contiguous(), prefix=prefix) for b in run]
     return out
 
 
-def split_mini_batches(batches: list[PrefixBatch], n: int) -> list[list[PrefixBatch]]:
-    """The micro-batches cut into n consecutive parts (one optimizer step each), each part's micro-batches still
-    under their prefix."""
-    flat = [(b, j) for b in batches for j in range(len(b.micro))]
-    per, parts = math.ceil(len(flat) / n), []
-    for s in range(0, len(flat), per):
-        part = {}
-        for b, j in flat[s:s + per]:
-            part.setdefault(id(b), (b, []))[1].append(j)
-        parts.append([PrefixBatch(b.prefix, [b.micro[j] for j in js], [b.rows[j] for j in js]) for b, js in part.values()])
-    return parts
+def shared_prefix_logprobs(model, micro: list, js, temperature=1.0, chunk=4096):
+    """sequence_logprobs of the micro-batches micro[j], j in js, a key's prefix (cut_shared_prefix) through the model
+    once, not once per row. A generator of (j, logp (b, T - P)). With grad on (training), take each logp's backward
+    before the next one comes: the rows run against detached copies of the prefix's keys/values, whose gradients
+    add up, and after a key's last micro-batch one backward takes them through the prefix. Exact: the gradient of
+    one full pass per row. Under no_grad it is a forward of every row, the prefix once.
+
+        for j, logp in shared_prefix_logprobs(model, micro, range(len(micro))):
+            loss_of(logp, micro[j]).backward()
+
+    Needs activation checkpointing off when P > 0 (transformers drops the cache inside checkpointed layers)."""
+    for _, run in itertools.groupby(js, key=lambda j: micro[j].key):
+        run = list(run)
+        prefix = micro[run[0]].prefix
+        if prefix is not None and len(prefix) and model.training and \
+                any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+            raise ValueError("shared_prefix_logprobs needs gradient checkpointing off: transformers ignores "
+                             "past_key_values in checkpointed layers")
+        kv = _prefix_kv(model, prefix)                                           # in the graph when grad is on
+        leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
+                  for k, v in kv]
+        for j in run:
+            b = micro[j]
+            yield j, sequence_logprobs(model, b.ids, b.attn, b.mask, temperature, chunk,
+                                       past_key_values=_cache(leaves, len(b.ids)))
+        if kv and kv[0][0].requires_grad:
+            torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])
 
 
 def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -> int:
@@ -462,7 +440,7 @@ def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -
 
 def _prefix_kv(model, prefix_ids):
     """The prefix's keys and values, per layer, from one forward of the decoder (none if it is empty)."""
-    if not len(prefix_ids):
+    if prefix_ids is None or not len(prefix_ids):
         return []
     out = model.get_decoder()(input_ids=prefix_ids[None], use_cache=True)
     return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
@@ -477,45 +455,3 @@ def _cache(kv, rows: int):
     for layer, (k, v) in enumerate(kv):
         cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
     return cache
-
-
-def logprobs_with_shared_prefix(model, prefix_ids, micro_batches, temperature=1.0, chunk=4096):
-    """sequence_logprobs of micro-batches that all continue prefix_ids, the prefix run once.
-    prefix_ids (P,) long; micro_batches [(input_ids, attention_mask, loss_mask)], each (B_i, T_i). -> [logp (B_i, T_i)].
-    Meant for log-probs without grad (reference and old policies): call it under torch.no_grad()."""
-    kv = _prefix_kv(model, prefix_ids)
-    return [sequence_logprobs(model, ids, attn, mask, temperature, chunk, past_key_values=_cache(kv, len(ids)))
-            for ids, attn, mask in micro_batches]
-
-
-def batch_logprobs(model, batches: list[PrefixBatch], temperature=1.0) -> dict:
-    """logprobs_with_shared_prefix of every micro-batch -> {tuple(its rows): logp (b, T - P)}. Under no_grad."""
-    return {tuple(rows): lp for b in batches
-            for rows, lp in zip(b.rows, logprobs_with_shared_prefix(model, b.prefix, b.micro, temperature))}
-
-
-@contextlib.contextmanager
-def prefix_run_once(model, prefix_ids):
-    """Train on micro-batches that all continue the same untrained prefix (in SFT and GRPO: a domain's ~1.8k-token
-    system prompt) while the prefix goes through the model once, not once per sequence. Exact: the same gradient
-    as one full forward/backward per sequence.
-
-        with prefix_run_once(model, prefix) as cache_for:       # 1. the prefix forward, once, with grad
-            for ids, attn, mask in micro_batches:                 # 2. each micro-batch against detached copies
-                logp = sequence_logprobs(model, ids, attn, mask,  #    of its keys/values; backward at once,
-                                         past_key_values=cache_for(len(ids)))    # which sums d loss/d (k, v)
-                loss_of(logp).backward()
-                                                                  # 3. on exit: one backward through the prefix
-
-    prefix_ids: (P,) long; P = 0 is the plain pass (cache_for gives None). loss_mask[:, 0] must be 0 after a
-    prefix (shared_prefix_len picks such a P). Needs activation checkpointing off when P > 0 (transformers
-    drops the cache inside checkpointed layers)."""
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) and model.training
-    if len(prefix_ids) and checkpointed:
-        raise ValueError("prefix_run_once needs gradient checkpointing off: transformers ignores past_key_values "
-                         "in checkpointed layers")
-    kv = _prefix_kv(model, prefix_ids)                                           # in the graph
-    leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
-    yield lambda rows: _cache(leaves, rows)
-    if kv:
-        torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])

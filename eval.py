@@ -223,10 +223,11 @@ def build_agent(spec: str, args):
 
 # ----------------------------------------------------------------------------- pass^k evaluation
 
-def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", seed: int = 0,
+def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: int = 0,
              max_turns: int = 8, max_context: int = 3072, recheck: int = 0, n_boot: int = 1000, progress: bool = True,
-             **user_kw) -> dict:
-    """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each.
+             user_workers: int = 256) -> dict:
+    """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each, with the
+    user each conversation gets from `user` (an envs.UserFactory, or a bare --user spec).
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
     {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included), "episodes" (every
@@ -236,7 +237,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user: str = "scripted", s
     """
     t0 = time.time()
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
-    run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, **user_kw)
+    run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, user_workers=user_workers)
     every = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
     lost = {tr.task_id for tr in every if tr.failed}  # a failed simulator is no evidence about the agent: such a
     trajs = [tr for tr in every if tr.task_id not in lost]   # task leaves pass^k (its trials pair up no more)
@@ -589,11 +590,11 @@ def main(argv=None):
                 if (built := build_agent(name, args)) is None:
                     break
                 agent, tok, _ = built
-            user_kw = common.user_kwargs(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local:
-                                                 if user == "local" else ()), user=user)   # the base model plays it
+            make_user = common.user_factory(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local:
+                                                    if user == "local" else ()), spec=user)   # the base model plays it
             print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {user}")
-            tau = evaluate(agent, tok, tasks, args.trials, user, args.seed, args.max_turns, args.max_context,
-                           recheck=args.recheck, n_boot=args.n_boot, **user_kw)
+            tau = evaluate(agent, tok, tasks, args.trials, make_user, args.seed, args.max_turns, args.max_context,
+                           recheck=args.recheck, n_boot=args.n_boot, user_workers=args.user_workers)
             results[label] = {"tau": tau, "user": user}
             with open(out_file(args, "failures_", label, ".jsonl"), "w") as f:
                 for rec in tau["failures"]:

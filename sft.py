@@ -12,7 +12,7 @@ What it does
      over loss_mask tokens (the agent's text and tool calls with their end-of-turn; system, user and
      tool tokens count for nothing), through common.sequence_logprobs as in rl.py. AdamW, linear
      warmup then cosine decay, gradient accumulation. A batch holds one domain, whose system prompt
-     goes through the model once per batch with an exact gradient (common.prefix_run_once;
+     goes through the model once per batch with an exact gradient (common.shared_prefix_logprobs;
      `python scripts/bench_sft.py` times it against the per-conversation pass). Checkpoints every
      --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
@@ -167,9 +167,9 @@ def make_data(args, tokenizer) -> list[dict]:
             n = args.tasks_per_scenario * (len(ours.SCENARIOS[domain]) if domain in ours.SCENARIOS else 1)  # τ²: first n
             tasks = envs.make_tasks(domain, "train", n, args.tiers.split(","), args.seed)
             trajs = rollout.run_episodes(agent, tokenizer, tasks, group_size=args.samples_per_task,
-                                         user=args.user, max_turns=args.max_turns, seed=args.seed,
+                                         user=common.user_factory(args), max_turns=args.max_turns, seed=args.seed,
                                          max_context=max(args.max_len, 8192),   # τ²'s prompts alone are 5-8k tokens
-                                         progress=True, **common.user_kwargs(args))
+                                         progress=True, user_workers=args.user_workers)
             by_id = {t.id: t for t in tasks}
             for t in trajs:
                 tried[f"{domain}/{t.scenario}"] += 1
@@ -201,21 +201,18 @@ def make_data(args, tokenizer) -> list[dict]:
 def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
-    goes through the model once for the group (common.prefix_batches, prefix_run_once; exact)."""
-    batches = common.prefix_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
-                             [domain_of(r) for r in batch], args.micro_batch_size, pad,
-                             share=args.share_prefix == "on" and args.grad_checkpointing == "off",
-                             max_len=args.max_len, device=model.get_input_embeddings().weight.device)
+    goes through the model once for the group (common.cut_shared_prefix, shared_prefix_logprobs; exact).
+    A batch holds one domain (epoch_batches)."""
+    micro = rollout.micro_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
+                                  args.micro_batch_size, pad, keys=[domain_of(r) for r in batch], max_len=args.max_len,
+                                  device=model.get_input_embeddings().weight.device)
+    if args.share_prefix == "on" and args.grad_checkpointing == "off":
+        micro = common.cut_shared_prefix(micro)
     total = 0.0
-    for b in batches:
-        losses = []
-        with common.prefix_run_once(model, b.prefix) as cache_for:
-            for ids, attn, mask in b.micro:
-                logp = common.sequence_logprobs(model, ids, attn, mask, past_key_values=cache_for(len(ids)))
-                loss = -logp.sum() / max(1, n_tok)
-                loss.backward()
-                losses.append(loss.item())
-        total += sum(losses)
+    for _, logp in common.shared_prefix_logprobs(model, micro, range(len(micro))):
+        loss = -logp.sum() / max(1, n_tok)
+        loss.backward()                       # before the next micro-batch: the prefix's gradient adds up
+        total += loss.item()
     return total
 
 
@@ -256,12 +253,8 @@ def batch_rows(rows, step: int, batch_size: int, seed: int) -> list[dict]:
 
 
 def plot(metrics: list[dict], path: str):
-    fig, ax = common.figure(2, (9, 3.2))
-    ax[0].plot([m["step"] for m in metrics], [m["loss"] for m in metrics], marker=".")
-    ax[0].set(xlabel="step", ylabel="loss (nats / agent token)", title="SFT loss")
-    ax[1].plot([m["step"] for m in metrics], [m["lr"] for m in metrics])
-    ax[1].set(xlabel="step", ylabel="lr", title="schedule")
-    common.save_figure(fig, path, dpi=100)
+    common.plot_panels(path, [("SFT loss (nats / agent token)", {"": [(m["step"], m["loss"]) for m in metrics]}, None),
+                              ("lr schedule", {"": [(m["step"], m["lr"]) for m in metrics]}, None)], dpi=100)
 
 
 # ----------------------------------------------------------------------------- main
@@ -276,7 +269,6 @@ def train(args, model, tokenizer, rows: list[dict]):
     warmup = max(1, round(args.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, args.schedule))
     start, metrics = common.resume(args.out, model, opt, sched)    # a rerun after a kill goes on from here
-    mpath = os.path.join(args.out, "metrics.jsonl")
     model.train()
     bar = tqdm(range(start, total), initial=start, total=total, desc="sft", file=sys.stdout)
     for step in bar:
@@ -294,9 +286,7 @@ def train(args, model, tokenizer, rows: list[dict]):
         m = {"step": step + 1, "epoch": step / per_epoch, "loss": loss_sum, "lr": lr,
              "grad_norm": gnorm, "tokens": seen, "trained_tokens": n_tok, "seconds": dt, "tok_per_s": seen / dt,
              "task_ids": [r.get("task_id") for r in batch]}
-        metrics.append(m)
-        with open(mpath, "a") as f:
-            f.write(json.dumps(m) + "\n")
+        common.log_metrics(args.out, metrics, m)
         bar.write(f"step {step + 1:4d}/{total} | loss {loss_sum:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
                   f"tokens {seen:6d} ({n_tok} trained) | {dt:5.1f} s | {seen / dt:6.0f} tok/s")
         if (step + 1) % args.save_every == 0 or step + 1 == total:

@@ -4,7 +4,11 @@ sft.py and rl.py); bench.py times them against peers. Imports nothing of ours.""
 import logging
 import os
 
+from .logprobs import logprobs_torch, masked_logprobs, masked_logprobs_chunked  # noqa: F401
 
+
+# What follows is not a kernel: bitsandbytes, imported by peft or transformers, probes the hub's `kernels` package,
+# finds this one, and logs a false error; this filter drops exactly that record.
 class _NotTheHubKernels(logging.Filter):
     """bitsandbytes (CPU with AVX512-BF16) probes the Hugging Face `kernels` package with
     `from kernels import get_kernel`, finds this package of the same name, and logs "Failed to load CPU
@@ -19,5 +23,3 @@ class _NotTheHubKernels(logging.Filter):
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NotTheHubKernels())
-
-from .logprobs import logprobs_torch, masked_logprobs, masked_logprobs_chunked  # noqa: E402,F401

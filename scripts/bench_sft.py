@@ -1,7 +1,7 @@
 """SFT's training pass, timed three ways: python scripts/bench_sft.py [any sft.py flag, e.g. --load-in-4bit].
 
 One batch of 4 retail conversations (the oracle's) goes forward and backward with the system prompt run once per
-batch (sft.py's default, common.prefix_run_once), once per conversation, and once per conversation
+batch (sft.py's default, common.shared_prefix_logprobs), once per conversation, and once per conversation
 with activation checkpointing; the loss of each (equal: the shared prefix is exact), seconds and peak RSS.
 """
 import argparse

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rl  # noqa: E402
-from rl import group_advantages, grpo_update, load_policy, native_bf16_cpu  # noqa: E402
+from rl import group_advantages, grpo_update  # noqa: E402
 
 
 def bench_update(args, rows=4, prefix=1644, own=990):
@@ -37,18 +37,19 @@ def bench_update(args, rows=4, prefix=1644, own=990):
     adv = torch.tensor([1.0, -1.0] * (rows // 2))
     model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL)
     with tempfile.TemporaryDirectory() as out:            # load_policy writes the frozen reference there
-        model, _ = load_policy(SimpleNamespace(**{**vars(args), "out": out}), model)
+        model = rollout.load_policy(model, args.init, os.path.join(out, "reference"), args.lora_r, args.lora_alpha)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
     print(f"bench-update: {rows} rows of {prefix} shared + {own} own tokens, micro-batch {args.micro_batch}, "
-          f"{torch.get_num_threads()} threads, {rollout.DEVICE}; native bf16: {native_bf16_cpu()}")
+          f"{torch.get_num_threads()} threads, {rollout.DEVICE}; native bf16: "
+          f"{torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()}")
     base = None
     for name, bf16, skip in (("warm-up", "off", False), ("fp32, reference pass", "off", False),
                              ("fp32, no reference pass", "off", True), ("bf16, reference pass", "on", False),
                              ("bf16, no reference pass", "on", True)):
         t0 = time.time()
         grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(args), "train_bf16": bf16}), tok.pad_token_id,
-                    ref_is_policy=skip)
+                    at_start=skip)
         dt = time.time() - t0
         if name != "warm-up":
             base = base or dt

@@ -65,14 +65,15 @@ def run(name, args, tasks, tok, out):
     rollout.ask_users = timed
     rl_args = SimpleNamespace(seed=args.seed, group_size=args.group_size, draw=len(tasks), max_draws=1,
                               tasks=len(tasks), screen=0, rollouts=None, out=out, user="openai:scripted",
-                              max_turns=30, max_context=8192, reward="binary", max_sim_failures=args.max_sim_failures)
+                              max_turns=30, max_context=8192, reward="binary", max_sim_failures=args.max_sim_failures,
+                              user_workers=args.user_workers)
     t0, stop = time.time(), ""
     with FaultServer(tasks, latency=args.latency, faults=faults, retry_after=1.0, seed=args.seed,
                      restart_after=restart, lifetime=1800) as srv:
-        user_kw = dict(base_url=srv.url, api_key="none", timeout=args.timeout, max_retries=args.max_retries,
-                       user_workers=args.user_workers)
+        make_user = envs.UserFactory("openai:scripted", dict(base_url=srv.url, api_key="none", timeout=args.timeout,
+                                                             max_retries=args.max_retries))
         try:
-            drawn, kept, lost = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, rl_args, user_kw)
+            drawn, kept, lost = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, rl_args, make_user)
         except SystemExit as e:                     # rl.py's one line, past --max-sim-failures
             stop = str(e)
     wall = time.time() - t0

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
 import common  # noqa: E402
+import rl  # noqa: E402   the GRPO flags are rl.py's
 
 # CPU: rl.py's limits (common.CPU_LIMITS), 2 tasks x 4 rollouts: transformers generate re-reads the conversation
 # every turn, so a CPU step costs several times rl.py's (scripts/bench_trl.py).
@@ -62,7 +63,7 @@ def parse_args(argv=None):
     common.add_run_args(p, out="runs/rl_trl", smoke="one tiny step (tests)")
     common.add_model_args(p)
     common.add_user_args(p)
-    common.add_grpo_args(p)         # --tasks: over all processes, a multiple of their number (whole groups each)
+    rl.add_grpo_args(p)             # --tasks: over all processes, a multiple of their number (whole groups each)
     p.group("world").add_argument("--task-pool", type=int, default=1000, help="train tasks generated per domain to "
                                   "sample from")
     g = p.group("performance")
@@ -141,7 +142,7 @@ def make_rollout_func(args, tasks, tok, model):
     """TRL calls it with this process's prompts (task ids, each repeated G times in a row) and itself."""
     import rollout
     import users
-    by_id, user_kw = {t.id: t for t in tasks}, common.user_kwargs(args, model, tok)
+    by_id, make_user = {t.id: t for t in tasks}, common.user_factory(args, model, tok)
 
     def rollout_func(prompts, trainer):
         G = trainer.num_generations
@@ -149,11 +150,12 @@ def make_rollout_func(args, tasks, tok, model):
             raise ValueError(f"rollout_func needs whole groups of {G} rollouts of one task in a row; got {prompts}")
         t0, agent = time.time(), TRLAgent(trainer, tok, args.thinking)
         try:   # a fresh Env and simulated user per rollout, inside run_episodes; seeds differ by step and process
-            trajs = rollout.run_episodes(agent, tok, [by_id[p] for p in prompts[::G]], group_size=G, user=args.user,
+            trajs = rollout.run_episodes(agent, tok, [by_id[p] for p in prompts[::G]], group_size=G, user=make_user,
                                          max_turns=args.max_turns, max_context=args.max_context,
                                          seed=args.seed * 1_000_003 + trainer.state.global_step * 101
                                          + trainer.accelerator.process_index,
-                                         shaped=args.reward == "shaped", progress=False, **user_kw)
+                                         shaped=args.reward == "shaped", progress=False,
+                                         user_workers=args.user_workers)
         except users.UserSimulatorError as e:
             raise SystemExit(str(e))
         return trl_fields(trajs, agent.has_logprobs, time.time() - t0)
@@ -232,19 +234,18 @@ def log_line(args):
 
 
 def plot(metrics, path):
-    fig, axes = common.figure(2, (8, 3.2))
-    steps = [m["step"] for m in metrics]
-    axes[0].plot(steps, [m.get("pass_rate") for m in metrics], marker=".", label="train rollouts")
-    axes[0].set(title="pass^1", xlabel="step", ylim=(-0.02, 1.02))
-    axes[1].plot(steps, [m.get("kl") for m in metrics], marker=".")
-    axes[1].set(title="KL to the reference (k3)", xlabel="step")
-    common.save_figure(fig, path)
+    common.plot_panels(path, [("pass^1", {"train rollouts": [(m["step"], m.get("pass_rate")) for m in metrics]},
+                               (-0.02, 1.02)),
+                              ("KL to the reference (k3)", {"": [(m["step"], m.get("kl")) for m in metrics]}, None)])
+
+
+RESUME_FREE = {"steps", "save_every", "user_workers", "user_base_url", "vllm_memory", "kv_budget"}
 
 
 def main(argv=None):
     args = parse_args(argv)
     if int(os.environ.get("RANK", 0)) == 0:
-        common.start_run(args, args.out)
+        common.start_run(args, args.out, may_change=RESUME_FREE)
     elif not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
     from transformers.trainer_callback import PrinterCallback, ProgressCallback

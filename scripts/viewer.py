@@ -3,9 +3,9 @@
 Every conversation turn by turn, as the tokens the model read and wrote: the agent's sampled tokens (loss_mask 1,
 what GRPO trains on) shaded, green where rl.py pushed them up (a positive advantage) and red where it pushed them
 down; the system prompt, user and tool tokens (loss_mask 0) plain. Hover a token for its id and the sampler's
-log-prob. Per step and group: the task, each rollout's reward and the advantage rl.py trained it with (read from
-metrics.jsonl, never recomputed here), or why the group was filtered (no variance, over the --tasks cap, its
-simulator failed). For eval.py's episodes: each agent's score and, first, where agents differ: the episodes one
+log-prob. Per step and group: the task, each rollout's reward and the advantage rl.py trained it with, or why the
+group was filtered (no variance, over the --tasks cap, its simulator failed), recomputed from the saved rollouts with
+rl.py's own functions (group_records). For eval.py's episodes: each agent's score and, first, where agents differ: the episodes one
 agent solved and the other did not, side by side.
 
 Run:
@@ -26,7 +26,10 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+import torch  # noqa: E402
+
 import common  # noqa: E402
+import rl  # noqa: E402
 import rollout  # noqa: E402
 
 esc = html.escape
@@ -81,26 +84,43 @@ def run_kind(run_dir: str) -> str | None:
 
 def read_rl(run_dir: str) -> tuple[list, list]:
     """-> (metrics lines, steps): steps = [(step, its metrics line or None, groups)], each group a dict of its
-    task's rollouts (every one saved, those that lost their simulator included) and its per_group record in
-    metrics.jsonl (None when rl.py listed none: every rollout lost its simulator, or the step was never logged)."""
+    task's rollouts (every one saved, those that lost their simulator included) and its record (group_records; None
+    when every rollout lost its simulator, or the step was never logged)."""
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    by_step = {m["step"]: m for m in metrics}
+    by_step, cap = {m["step"]: m for m in metrics}, run_args(run_dir).get("tasks") or math.inf
     files = {}
     for path in glob.glob(os.path.join(rollouts_dir(run_dir), "step-*-draw-*.jsonl")):
         s, d = map(int, re.search(r"step-(\d+)-draw-(\d+)(-trials-\d+-\d+)?\.jsonl$", path).groups()[:2])
         files.setdefault(s, []).append((d, path))
     steps = []
     for s in sorted(files):
-        m = by_step.get(s)
-        records = {r["task"]: r for r in (m or {}).get("per_group", [])}   # a task is drawn once a step
-        tasks = {}                                 # task -> its rollouts (with --screen, from two files)
+        tasks = {}                                 # task -> its rollouts (with --screen, from two files), draw order
         for _, path in sorted(files[s]):
-            for row in read_jsonl(path):
-                tasks.setdefault(row["task_id"], []).append(rollout.Trajectory(**row))
-        groups = [dict(rollouts=sorted(mine, key=lambda t: t.trial), record=records.get(task))
-                  for task, mine in tasks.items()]
-        steps.append((s, m, groups))
+            for t in rollout.load_trajectories(path):
+                tasks.setdefault(t.task_id, []).append(t)
+        groups = [dict(rollouts=sorted(mine, key=lambda t: t.trial)) for mine in tasks.values()]
+        for g, rec in zip(groups, group_records([g["rollouts"] for g in groups], cap) if s in by_step
+                          else [None] * len(groups)):
+            g["record"] = rec
+        steps.append((s, by_step.get(s), groups))
     return metrics, steps
+
+
+def group_records(groups: list, cap) -> list:
+    """What rl.py did with a step's groups (in draw order), recomputed from the rollouts as rl.sample_groups and
+    main do it: a group's rollouts that lost their simulator are left out; of the groups whose rewards differ
+    (rl.has_signal) the first --tasks are trained, with advantages rl.group_advantages. -> a record a group (its
+    trials, rewards, trained, advantages or why it was filtered), None for a group with no rollout left."""
+    out, trained = [], 0
+    for g in groups:
+        ok = [t for t in g if not t.failed]
+        signal = bool(ok) and rl.has_signal(ok)
+        keep = signal and trained < cap
+        trained += keep
+        adv = rl.group_advantages(torch.tensor([t.reward for t in ok]), len(ok)).tolist() if keep else None
+        out.append(dict(trials=[t.trial for t in ok], rewards=[t.reward for t in ok], trained=keep, advantages=adv,
+                        filtered="" if keep else "over --tasks cap" if signal else "no variance") if ok else None)
+    return out
 
 
 def read_eval(run_dir: str) -> dict:
@@ -306,7 +326,7 @@ def rl_page(run_dir: str, vocab: Vocab) -> tuple[str, int]:
             LEGEND.format(", green: pushed up (advantage > 0), red: pushed down (< 0), grey: its group was filtered, "
                           "not trained"),
             "<p class=meta>A group is a task's G rollouts. rl.py trains a group only when its rewards differ; each "
-            "rollout's advantage (r - mean) / (std + eps) is the one rl.py trained it with (metrics.jsonl).</p>"]
+            "rollout's advantage (r - mean) / (std + eps) is the one rl.py trained it with.</p>"]
     body, n = [], 0
     for s, m, groups in steps:
         body += [f"<h2>step {s}</h2>", step_line(m)] + [group_html(g, vocab) for g in groups]

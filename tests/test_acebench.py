@@ -7,6 +7,7 @@ Run:  pytest tests/test_acebench.py -s            # needs ACEBench's files: ../s
 """
 import pytest
 
+import envs
 from envs import acebench_domains as ace
 import rollout
 import users
@@ -226,9 +227,10 @@ def test_two_multi_turn_episodes_with_llama_cpp_as_the_user(llama_server, tok):
     run_episodes and ACEBench scores them: 1 exactly when the user ended the conversation."""
     tasks = [ace.make_tasks(MT, "test", 30)[i] for i in (0, 20)]
     turns = max(sum(map(len, t.gold_paths[0])) for t in tasks) + 3
-    trajs = rollout.run_episodes(GoldAgent(tok), tok, tasks, user="openai:smollm2", max_turns=turns,
-                                 max_context=10**6, progress=False, base_url=llama_server, api_key="none",
-                                 timeout=300.0, max_retries=1, max_tokens=48)
+    user = envs.UserFactory("openai:smollm2", dict(base_url=llama_server, api_key="none", timeout=300.0,
+                                                   max_retries=1, max_tokens=48))
+    trajs = rollout.run_episodes(GoldAgent(tok), tok, tasks, user=user, max_turns=turns, max_context=10**6,
+                                 progress=False)
     for task, t in zip(tasks, trajs):
         usage = t.stats["user_usage"]
         print("\n" + t.show(300) + f"\nuser usage: {usage}")

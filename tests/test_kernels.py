@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from common import prefix_run_once, sequence_logprobs
+from common import sequence_logprobs, shared_prefix_logprobs
+from rollout import MicroBatch
 from kernels import logprobs_torch, masked_logprobs, masked_logprobs_chunked
 from kernels.logprobs import HAVE_TRITON
 
@@ -320,13 +321,14 @@ def test_sequence_logprobs_lora_and_reference_policy(tiny_llama):
 
 
 def backward_with_prefix_once(model, prefix, micro_batches, n_tok) -> list[float]:
-    """rl.py's and sft.py's pass: the prefix once (common.prefix_run_once), each micro-batch's loss backpropagated."""
+    """sft.py's and rl.py's fast pass: the prefix once (common.shared_prefix_logprobs), each micro-batch's loss
+    backpropagated before the next."""
+    micro = [MicroBatch([], ids, attn, mask, "one key", prefix) for ids, attn, mask in micro_batches]
     losses = []
-    with prefix_run_once(model, prefix) as cache_for:
-        for ids, attn, mask in micro_batches:
-            loss = -sequence_logprobs(model, ids, attn, mask, past_key_values=cache_for(len(ids))).sum() / n_tok
-            loss.backward()
-            losses.append(loss.item())
+    for _, logp in shared_prefix_logprobs(model, micro, range(len(micro))):
+        loss = -logp.sum() / n_tok
+        loss.backward()
+        losses.append(loss.item())
     return losses
 
 

@@ -3,6 +3,7 @@ the KL / gradient-mask / update checks, then a 2-step --smoke run and a real SIG
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,12 +15,15 @@ import pytest
 import torch
 
 import rl as rl_module
-from common import pad_right, prefix_batches, split_mini_batches
-from rl import group_advantages, grpo_loss, grpo_update, has_signal, reference_policy
+from common import cut_shared_prefix
+from rl import group_advantages, grpo_loss, grpo_update, has_signal
+from rollout import micro_batches, reference_policy
 
 
 def batch_trajectories(trajs, pad_id):
-    return pad_right([(t.token_ids, t.loss_mask) for t in trajs], pad_id)
+    """All rows in one right-padded micro-batch: (ids, attention mask, loss mask), each (B, T)."""
+    b = micro_batches([t.token_ids for t in trajs], [t.loss_mask for t in trajs], len(trajs), pad_id)[0]
+    return b.ids, b.attn, b.mask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,15 +59,15 @@ def test_screening_finishes_the_tasks_whose_first_rollout_got_a_rare_reward(monk
     first."""
     calls = []
 
-    def fake_rollouts(agent, tok, tasks, step, d, args, user_kw, trials=None):
+    def fake_draw(agent, tok, tasks, step, d, args, make_user, trials=None):
         calls.append(([t.id for t in tasks], trials))
-        return [SimpleNamespace(task_id=t.id, trial=g, failed="user" if t.id == "lost" else None, loss_mask=[1],
-                                reward=0.0 if t.id == "lost" or g else first[int(t.id)])
-                for t in tasks for g in range(*trials)]
-    monkeypatch.setattr(rl_module, "rollouts", fake_rollouts)
+        return [[SimpleNamespace(task_id=t.id, trial=g, failed="user" if t.id == "lost" else None, loss_mask=[1],
+                                 reward=0.0 if t.id == "lost" or g else first[int(t.id)]) for g in range(*trials)]
+                for t in tasks]
+    monkeypatch.setattr(rl_module, "sample_draw", fake_draw)
     ids = [str(i) for i in range(len(first))] + ["lost"]
     groups = rl_module.screened(None, None, [SimpleNamespace(id=i) for i in ids], 0, 0,
-                         SimpleNamespace(screen=1, group_size=4), {})
+                                SimpleNamespace(screen=1, group_size=4), None)
     assert calls == [(ids, (0, 1))] + ([([str(i) for i in finished], (1, 4))] if finished else [])
     assert [len(g) for g in groups] == [4 if i in finished else 1 for i in range(len(first))] + [1]
     assert all([t.trial for t in g] == list(range(len(g))) for g in groups)
@@ -126,20 +130,21 @@ def test_negative_advantage_clips_low_side():
     assert loss.item() == pytest.approx(0.8) and st["clipped"] == 1   # min(-0.5, -0.8) = -0.8
 
 
-def test_prefix_batches_share_each_keys_prefix_and_split_into_steps():
-    """Rows of one key (domain) share their untrained prefix, run once; the rest of each row is padded into
-    micro-batches; cutting them into mini-batches keeps every micro-batch whole and under its prefix."""
+def test_micro_batches_keep_a_keys_rows_together_and_the_fast_pass_cuts_its_prefix_once():
+    """Rows of one key (domain) go into micro-batches together, shortest first; cut_shared_prefix cuts the
+    untrained prefix they share off every row and keeps it once, one tensor for the key, for the fast pass."""
     sys_a, sys_b = [9, 8, 7, 6], [5, 4, 3]
     ids = [sys_a + [1, 2], sys_b + [1], sys_a + [3], sys_a + [4, 5, 6]]
     masks = [[0] * 4 + [1, 1], [0] * 3 + [1], [0] * 4 + [1], [0] * 4 + [1, 1, 1]]
-    batches = prefix_batches(ids, masks, ["a", "b", "a", "a"], micro_batch=2, pad_id=0)
-    assert [b.prefix.tolist() for b in batches] == [[9, 8, 7], [5, 4]]   # minus one: the last predicts row 1
-    assert [b.rows for b in batches] == [[[0, 2], [3]], [[1]]]
-    first_ids, _, first_mask = batches[0].micro[0]
-    assert first_ids.tolist() == [[6, 1, 2], [6, 3, 0]] and first_mask.tolist() == [[0, 1, 1], [0, 1, 0]]
-    parts = split_mini_batches(batches, 2)
-    assert [[b.rows for b in part] for part in parts] == [[[[0, 2], [3]]], [[[1]]]]
-    assert [b.prefix.tolist() for b in prefix_batches(ids, masks, ["a"] * 4, 4, 0, share=False)] == [[]]
+    micro = micro_batches(ids, masks, 2, 0, keys=["a", "b", "a", "a"], shortest_first=True)
+    assert [b.rows for b in micro] == [[1], [2, 0], [3]] and [b.key for b in micro] == ["b", "a", "a"]
+    assert micro[1].ids.tolist() == [sys_a + [3, 0], sys_a + [1, 2]] and micro[1].attn.tolist()[0] == [1] * 5 + [0]
+    assert all(b.prefix is None for b in micro)
+    cut = cut_shared_prefix(micro)
+    assert [b.prefix.tolist() for b in cut] == [[5, 4]] + [[9, 8, 7]] * 2    # minus one: the last predicts row 1
+    assert cut[1].prefix is cut[2].prefix                                      # one tensor, run once a pass
+    assert cut[1].ids.tolist() == [[6, 3, 0], [6, 1, 2]] and cut[1].mask.tolist() == [[0, 1, 0], [0, 1, 1]]
+    assert [b.rows for b in micro_batches(ids, masks, 4, 0)] == [[0, 1, 2, 3]]    # no keys, as given
 
 
 def test_collate_masks_from_positions_not_pad_ids():
@@ -175,7 +180,7 @@ def fake_trajs(n=4, seed=1):
 
 
 ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.1, max_grad_norm=1.0,
-                      grad_checkpointing="off", loss_agg="token-mean", train_bf16="off")
+                      grad_checkpointing="off", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
@@ -278,7 +283,7 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_skipping_the_reference_pass_before_the_first_step_is_exact(tmp_path, mini_batches):
     """Before RL's first optimizer step the policy is its reference, so rl.py skips the reference pass
-    (ref_is_policy=not optimizer.state): the update and the logged KL are the ones the pass gives."""
+    (at_start=not optimizer.state): the update and the logged KL are the ones the pass gives."""
     trajs, adv = fake_trajs(), torch.tensor([1.0, -1.0, 0.5, -0.5])
     runs = {}
     for skip in (False, True):
@@ -286,7 +291,7 @@ def test_skipping_the_reference_pass_before_the_first_step_is_exact(tmp_path, mi
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
         st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": mini_batches}),
-                         pad_id=2, ref_is_policy=skip)
+                         pad_id=2, at_start=skip)
         runs[skip] = st, [p.detach().clone() for p in params]
     (st_pass, w_pass), (st_skip, w_skip) = runs[False], runs[True]
     print(st_pass, st_skip)
@@ -356,9 +361,10 @@ def test_masked_tokens_get_zero_gradient_through_the_model():
 
 @pytest.mark.parametrize("mini_batches, domains, agg", [(1, 1, "token-mean"), (2, 1, "token-mean"),
                                                       (1, 2, "token-mean"), (2, 2, "seq-mean")])
-def test_shared_system_prompt_gives_the_same_update(mini_batches, domains, agg):
-    """Rollouts of a domain share its system prompt: run once per domain (grad_checkpointing off) or per
-    sequence (on), the stats and the updated weights are the same, with one domain in the step or two."""
+def test_the_fast_pass_gives_the_plain_passs_update(mini_batches, domains, agg):
+    """--logprob-pass plain (one forward of each whole row, full logits) and fast (each domain's system prompt once
+    a pass with activation checkpointing off, or every row's with it on; the lm_head in chunks): the same stats and
+    the same updated weights, with one domain in the step or two, in one mini-batch or two."""
     prompts = [torch.randint(3, 64, (4,), generator=torch.Generator().manual_seed(5 + d)).tolist() for d in range(2)]
     trajs = fake_trajs(6)
     for i, t in enumerate(trajs):
@@ -366,20 +372,21 @@ def test_shared_system_prompt_gives_the_same_update(mini_batches, domains, agg):
         t.token_ids[:4] = prompts[i % domains]           # mask 0 there: shared_prefix_len = 4 within a domain
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
     runs = {}
-    for ckpt in ["off", "on"]:                           # "on" only picks the per-sequence pass here
+    for how, ckpt in [("plain", "off"), ("fast", "on"), ("fast", "off")]:   # "on" only picks the per-row pass here
         model = tiny_lora_model()
         for p in model.parameters():
             if p.requires_grad:
                 torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)   # update = gradient
         args = SimpleNamespace(**{**vars(ARGS), "grad_checkpointing": ckpt, "mini_batches": mini_batches,
-                                  "loss_agg": agg})
-        runs[ckpt] = grpo_update(model, opt, trajs, adv, args, pad_id=2), [p.detach().clone() for p in model.parameters()]
-    (st_on, w_on), (st_off, w_off) = runs["on"], runs["off"]
-    print(st_on, st_off)
-    assert st_on["tokens"] == st_off["tokens"] and st_on["kl_sum"] == pytest.approx(st_off["kl_sum"], rel=1e-4)
-    assert st_on["grad_norm"] == pytest.approx(st_off["grad_norm"], rel=1e-4) and st_on["grad_norm"] > 0
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w_on, w_off))
+                                  "loss_agg": agg, "logprob_pass": how})
+        runs[how, ckpt] = grpo_update(model, opt, trajs, adv, args, pad_id=2), [p.detach().clone() for p in model.parameters()]
+    (st, w), others = runs["plain", "off"], [runs["fast", "on"], runs["fast", "off"]]
+    print(st, [o[0] for o in others])
+    for st_fast, w_fast in others:
+        assert st_fast["tokens"] == st["tokens"] and st_fast["kl_sum"] == pytest.approx(st["kl_sum"], rel=1e-4)
+        assert st_fast["grad_norm"] == pytest.approx(st["grad_norm"], rel=1e-4) and st["grad_norm"] > 0
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w, w_fast))
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
@@ -424,6 +431,12 @@ def run_rl(out, *extra, wait=True, init="base"):
 def read_metrics(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def step_records(out, step):
+    """What rl.py did with each of a step's groups, as scripts/viewer.py recomputes it from the saved rollouts."""
+    from scripts import viewer
+    return [g["record"] for s, _, groups in viewer.read_rl(str(out))[1] if s == step for g in groups]
 
 
 @pytest.fixture(scope="module")
@@ -511,9 +524,12 @@ def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_
     p.stdout.close()
     done = max(int(n[5:]) for n in os.listdir(out) if n.startswith("ckpt-") and not n.endswith(".tmp"))
     assert 2 <= done < 4
-    before = read_metrics(out)
-    r = run_rl(out, *steps, init="base")             # --init is ignored on resume: the checkpoint and
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]   # <out>/reference decide
+    before, saved = read_metrics(out), (out / "args.json").read_bytes()
+    other = run_rl(out, *steps, init="base")          # another --init into this run's folder: refused, one line
+    assert other.returncode == 2 and other.stderr.strip().count("\n") == 0 and "--init" in other.stderr, other.stderr
+    assert (out / "args.json").read_bytes() == saved and read_metrics(out) == before    # and nothing overwritten
+    r = run_rl(out, *steps, init=init)                # the same command resumes
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"at step {done}" in r.stdout
     after, uninterrupted = read_metrics(out), read_metrics(uninterrupted)
     assert [x["step"] for x in after] == [1, 2, 3, 4]  # every step once: none lost, none repeated
@@ -522,8 +538,8 @@ def test_sigkill_then_restart_resumes_from_last_checkpoint(tmp_path, tiny_model_
     print("steps that trained:", trained, "KL:", [x["kl"] for x in after])
     assert any(s <= done for s in trained) and any(s > done for s in trained)   # updates before and after the kill
     assert after[0]["kl"] is not None and after[0]["kl"] < 1e-6       # step 1: the policy is its reference
-    for x in after:                                   # the per-group log matches the counts, and only
-        g = x["per_group"]                            # groups whose rewards differ were trained
+    for x in after:                                   # the viewer's groups, from the rollouts, match the counts,
+        g = step_records(out, x["step"])              # and only groups whose rewards differ were trained
         assert len(g) == x["groups_drawn"] and sum(y["trained"] for y in g) == x["groups_trained"]
         assert all(len(set(y["rewards"])) > 1 for y in g if y["trained"])
         assert x["groups_trained"] <= x["groups_varied"] == sum(len(set(y["rewards"])) > 1 for y in g)
@@ -583,11 +599,11 @@ def test_a_rollout_whose_user_failed_is_left_out_and_the_rest_of_its_group_train
                    "--user", "openai:m", "--user-base-url", srv.url, "--user-workers", "1", "--seed", "4",
                    init=os.path.join(tiny_model_dir, "sft"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    m = read_metrics(tmp_path)[0]
-    print(m["per_group"], m["groups_trained"])
+    m, groups = read_metrics(tmp_path)[0], step_records(tmp_path, 1)
+    print(groups, m["groups_trained"])
     assert m["sim_failures"] == 1
-    assert [len(g["rewards"]) for g in m["per_group"]] == [3, 4]            # the second opening asked was the lost one
-    assert m["per_group"][0]["trained"] and len(set(m["per_group"][0]["rewards"])) > 1
+    assert [len(g["rewards"]) for g in groups] == [3, 4]            # the second opening asked was the lost one
+    assert groups[0]["trained"] and len(set(groups[0]["rewards"])) > 1
 
 
 @pytest.mark.slow
@@ -630,7 +646,8 @@ def test_replaying_saved_rollouts_compares_update_rules_on_identical_rollouts(tm
     got, changed = adapter_tensors(tmp_path / "same" / "adapter"), adapter_tensors(tmp_path / "other" / "adapter")
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert not all(torch.equal(want[k], changed[k]) for k in want)
-    seen = lambda out: [(x["per_group"], x["tokens"], x["train_tokens"]) for x in read_metrics(out)]   # noqa: E731
+    seen = lambda out: [(x["groups_drawn"], x["groups_trained"], x["reward"], x["tokens"], x["train_tokens"])   # noqa
+                        for x in read_metrics(out)]
     assert seen(tmp_path / "other") == seen(uninterrupted) == seen(tmp_path / "same")
 
 
@@ -663,6 +680,46 @@ def test_the_plain_sampler_runs_rl_and_eval_with_the_fast_ones_tokens(tmp_path, 
     assert curves["plain"] == curves["fast"]
     with open(next((tmp_path / "rl_plain" / "rollouts").iterdir())) as f:
         assert all(sum(json.loads(line)["loss_mask"]) > 0 for line in f)     # the plain sampler's own tokens
+
+
+def results_table_commands() -> list[str]:
+    """The sft.py and rl.py commands of the README's results table, in its order."""
+    results = open(os.path.join(REPO, "README.md")).read().split("\n## Results", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\|[^|\n]*\| `(python (?:sft|rl)\.py[^`]*)` \|", results, re.M)
+
+
+def test_every_results_table_command_trains_into_its_own_folder(tmp_path, tiny_model_dir):
+    """The README's results table, copied in order into a fresh folder as a newcomer would (each in --smoke form on
+    the tiny model): every command trains (a step logged, an adapter saved) into a folder of its own, whose
+    args.json holds that row's flags. Then an arm's command rerun into the default's folder is refused in one line
+    (exit 2) before anything loads, and the default's run there is left as it was."""
+    tiny, made = os.path.join(tiny_model_dir, "model"), {}
+    cmds = results_table_commands()
+    assert len(cmds) == 6 and cmds[:2] == ["python sft.py", "python rl.py"], cmds
+
+    def run(cmd):
+        script, *flags = cmd.split()[1:]
+        return flags, subprocess.run([sys.executable, os.path.join(REPO, script), *flags, "--smoke", "--model", tiny],
+                                     cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    for cmd in cmds:
+        flags, r = run(cmd)
+        assert r.returncode == 0, cmd + "\n" + r.stdout[-2000:] + r.stderr[-2000:]
+        given = dict(zip(flags[::2], flags[1::2]))
+        out = tmp_path / given.get("--out", "runs/" + cmd.split()[1][:-3])
+        assert out not in made.values(), f"{cmd} trained into {made} 's folder"
+        made[cmd] = out
+        saved = json.load(open(out / "args.json"))
+        assert all(saved[flag[2:].replace("-", "_")] == value for flag, value in given.items()), (cmd, saved)
+        assert any("loss" in m or "reward" in m for m in read_metrics(out)), cmd      # a step was logged
+        assert (out / "adapter" / "adapter_model.safetensors").is_file(), cmd
+    default = tmp_path / "runs" / "rl"
+    before = {f: (default / f).read_bytes() for f in ("args.json", "metrics.jsonl", "adapter/adapter_model.safetensors")}
+    for cmd in ("python rl.py --init base", "python rl.py --user scripted:default"):
+        _, r = run(cmd)                                  # no --out: the default's folder
+        print(r.stderr)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--out" in r.stderr, r.stderr
+        assert "init: " not in r.stdout                  # refused before the model loads
+    assert all((default / f).read_bytes() == b for f, b in before.items())
 
 
 def test_same_adapters_fails_on_one_ulp(tmp_path):

@@ -445,6 +445,17 @@ def test_no_user_ends_at_first_text_turn_and_context_limit(tok):
     assert (t.stop_reason, t.turns) == ("context_limit", 0)       # the system prompt alone is ~1800 tokens
 
 
+def test_the_system_prompt_length_the_docs_state(tok):
+    """docs/personas.md and common.CPU_LIMITS' comment say how long a domain's system prompt (policy and tools) is
+    in the default model's tokens: retail 1,759, airline 1,581."""
+    said = {}
+    for domain in ours.DOMAINS:
+        env = ours.make_env(ours.make_tasks(domain, "train", 1)[0])
+        said[domain] = len(tok(rollout.system_prompt(env.policy, env.tools), add_special_tokens=False).input_ids)
+    print(said)
+    assert said == {"retail": 1759, "airline": 1581}
+
+
 def test_print_one_trajectory_token_by_token(tok):
     """STYLE rule 7: show exactly what gets trained (mask 1) and what is context (mask 0)."""
     task = next(t for t in tasks_by_scenario("retail") if t.scenario == "cancel_order")

@@ -160,9 +160,10 @@ def test_one_real_episode_with_llama_cpp_as_the_tau2_user(llama_server, tok):
     oracle agent answers, makes the gold calls and reports. Whatever the 135M user says, the episode runs
     through run_episodes, the user is asked again after the report, and τ² scores the episode."""
     task = envs.make_tasks("tau2-retail", "test", 1)[0]
-    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user="openai:smollm2",
-                                 max_turns=len(task.gold_actions) + 2, max_context=10**6, progress=False,
-                                 base_url=llama_server, api_key="none", timeout=300.0, max_retries=1, max_tokens=48)
+    user = envs.UserFactory("openai:smollm2", dict(base_url=llama_server, api_key="none", timeout=300.0,
+                                                   max_retries=1, max_tokens=48))
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user=user,
+                                 max_turns=len(task.gold_actions) + 2, max_context=10**6, progress=False)
     t, usage = trajs[0], trajs[0].stats["user_usage"]
     print("\n" + t.show(300) + f"\nuser usage: {usage}")
     assert t.stop_reason in ("user_stop", "max_turns", "transfer") and t.reward in (0.0, 1.0)

@@ -27,11 +27,13 @@ def tasks():
     return envs.make_tasks("retail", "train", 2) + envs.make_tasks("airline", "train", 2)
 
 
-def llm_round(tok, tasks, srv, group_size=2, **kw):
-    """One run_episodes over the fault server: the gold agent, an OpenAIUser per rollout."""
-    kw = {"timeout": 5.0, "max_retries": 6, **kw}
-    return rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=group_size, user="openai:scripted",
-                                progress=False, base_url=srv.url, api_key="k", **kw)
+def llm_round(tok, tasks, srv, group_size=2, **settings):
+    """One run_episodes over the fault server: the gold agent, an OpenAIUser per rollout (settings: its own)."""
+    import envs
+    make_user = envs.UserFactory("openai:scripted", {"base_url": srv.url, "api_key": "k", "timeout": 5.0,
+                                                     "max_retries": 6, **settings})
+    return rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=group_size, user=make_user,
+                                progress=False)
 
 
 def user_requests(trajs):
@@ -120,11 +122,12 @@ def test_server_gone_for_good_every_rollout_is_complete_or_counted_and_rl_stops_
     import rl
     args = SimpleNamespace(seed=0, group_size=2, draw=len(tasks), max_draws=1, tasks=len(tasks), screen=0,
                            rollouts=None, out=str(tmp_path), user="openai:scripted", max_turns=30, max_context=8192,
-                           reward="binary", max_sim_failures=1.0)
-    user_kw = dict(base_url=None, api_key="k", timeout=2.0, max_retries=2, user_workers=256)
+                           reward="binary", max_sim_failures=1.0, user_workers=256)
+    import envs
+    user = lambda srv: envs.UserFactory("openai:scripted", dict(base_url=srv.url, api_key="k", timeout=2.0,  # noqa
+                                                                max_retries=2))
     with FaultServer(tasks, latency=0.02, restart_after=(25, float("inf"))) as srv:
-        drawn, kept, lost = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, args,
-                                             {**user_kw, "base_url": srv.url})
+        drawn, kept, lost = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, args, user(srv))
     with open(tmp_path / "rollouts" / "step-000001-draw-0.jsonl") as f:
         trajs = [rollout.Trajectory(**json.loads(line)) for line in f]
     failed = [t for t in trajs if t.failed]
@@ -138,7 +141,7 @@ def test_server_gone_for_good_every_rollout_is_complete_or_counted_and_rl_stops_
 
     args.max_sim_failures = 0.25                                                 # the same server, gone from the start
     with FaultServer(tasks, restart_after=(1, float("inf"))) as srv, pytest.raises(SystemExit) as stop:
-        rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, args, {**user_kw, "base_url": srv.url})
+        rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, args, user(srv))
     line = str(stop.value)
     print(line)
     assert "\n" not in line and f"{2 * len(tasks)} of {2 * len(tasks)} rollouts lost their simulator" in line

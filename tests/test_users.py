@@ -168,11 +168,14 @@ class AsksHowToHelp(rollout.TextAgent):
         return "How can I help you?"
 
 
-def llm_user_episodes(url, tasks, group_size=1, **kw):
+def llm_user_episodes(url, tasks, group_size=1, max_turns=1, user_workers=16, **settings):
+    """run_episodes with an OpenAIUser per rollout; settings go to the users (timeout, max_retries, ...)."""
+    import envs
     tok = rollout.load_tokenizer()
-    kw = {"max_turns": 1, "user_workers": 16, "timeout": 5.0, "max_retries": 0, **kw}
-    return rollout.run_episodes(AsksHowToHelp(tok), tok, tasks, group_size=group_size, user="openai:sim-model",
-                                progress=False, base_url=url, api_key="k", **kw)
+    make_user = envs.UserFactory("openai:sim-model", {"base_url": url, "api_key": "k", "timeout": 5.0,
+                                                      "max_retries": 0, **settings})
+    return rollout.run_episodes(AsksHowToHelp(tok), tok, tasks, group_size=group_size, user=make_user,
+                                max_turns=max_turns, user_workers=user_workers, progress=False)
 
 
 def test_a_rounds_sixteen_replies_take_one_slow_reply_not_sixteen():
@@ -249,12 +252,15 @@ def test_local_user_returns_text_and_never_sees_tools():
 
 
 def test_local_user_plays_whole_episodes_in_run_episodes():
-    """rl.py / eval.py --user local hand the user its own model= and tokenizer= through run_episodes."""
+    """rl.py / eval.py --user local give the user its own model= and tokenizer= through the stage's one user factory
+    (common.user_factory), which run_episodes calls for each conversation."""
+    import common
     from envs import ours
     tok = rollout.load_tokenizer()
     task = ours.make_tasks("retail", "test", 1)[0]
-    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], group_size=2, user="local", max_turns=2,
-                                 progress=False, model=tiny_random_llama(tok), tokenizer=tok)
+    make_user = common.user_factory(types.SimpleNamespace(user="local"), tiny_random_llama(tok), tok)
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], group_size=2, user=make_user, max_turns=2,
+                                 progress=False)
     assert all(t.stop_reason != "error" and t.turns >= 1 for t in trajs)
     assert all(t.stats["user_usage"]["completion_tokens"] > 0 for t in trajs)
 

@@ -130,18 +130,20 @@ def check_tokens(page, ep, t, decode=VOCAB.__getitem__):
 
 
 def write_step(out, drawn_files, drawn, kept, lost):
-    """What rl.py writes for one step: each draw's rollouts as rl.rollouts saves them, and the metrics line of
-    rl.step_metrics with the advantages main() trains with."""
-    os.makedirs(out / "rollouts", exist_ok=True)
+    """What rl.py writes for one step: each draw's rollouts as rl.sample_draw saves them, its args.json (--tasks, the
+    number of groups kept) and the metrics line of rl.step_metrics."""
     for d, trajs in enumerate(drawn_files):
-        with open(out / "rollouts" / f"step-000001-draw-{d}.jsonl", "w") as f:
-            f.writelines(json.dumps(vars(t)) + "\n" for t in trajs)
-    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept]) if kept else None
-    m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
+        rollout.save_trajectories(str(out / "rollouts" / f"step-000001-draw-{d}.jsonl"), trajs)
+    m = rl.step_metrics(0, drawn, kept, lost, None, dict(rollout_s=1.0, train_s=0.0))
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
-    json.dump({"group_size": 4}, open(out / "args.json", "w"))
+    json.dump({"group_size": 4, "tasks": len(kept)}, open(out / "args.json", "w"))
     return m
+
+
+def records(out) -> list:
+    """(task, record) of each group of step 1, as the viewer recomputes them from the saved rollouts."""
+    return [(g["rollouts"][0].task_id, g["record"]) for g in viewer.read_rl(str(out))[1][0][2]]
 
 
 def test_rl_page_holds_every_token_and_each_groups_advantages_or_why_it_was_filtered(tmp_path):
@@ -152,9 +154,9 @@ def test_rl_page_holds_every_token_and_each_groups_advantages_or_why_it_was_filt
     d = [made("D", 0, g, r, [D]) for g, r in enumerate([1.0, 0.0, 1.0, 0.0])]                  # over the cap
     d[0].failed = "env"                                  # left out of its group, which still has variance
     drawn = [a, b, [], [x for x in d if not x.failed]]
-    m = write_step(tmp_path, [a + b + c, d], drawn, [a], lost=5)
-    rec = {r["task"]: r for r in m["per_group"]}
-    assert [rec[k]["filtered"] for k in "ABD"] == ["", "no variance", "over --tasks cap"] and "C" not in rec
+    write_step(tmp_path, [a + b + c, d], drawn, [a], lost=5)
+    rec = dict(records(tmp_path))
+    assert [rec[k]["filtered"] for k in "ABD"] == ["", "no variance", "over --tasks cap"] and rec["C"] is None
     assert rec["A"]["advantages"] == pytest.approx([1, -1, -1, 1], abs=1e-3) and rec["D"]["trials"] == [1, 2, 3]
     html, n = viewer.build(str(tmp_path), FAKE)
     page = Page(html)
@@ -195,28 +197,28 @@ class Mixed(rollout.TextAgent):
 
 
 def sample_step(out, tok, tasks: int, screen: int):
-    """rl.py's own sample_groups / rollouts on 3 airline tasks x 4 rollouts with the Mixed agent (scripted user, real
+    """rl.py's own sample_groups / sample_draw on 3 airline tasks x 4 rollouts with the Mixed agent (scripted user, real
     env, no model), saved under out with args.json and the step's metrics line, as rl.py writes them.
     -> (drawn groups, kept groups, their advantages, the metrics line)."""
     args = SimpleNamespace(seed=0, group_size=4, draw=3, max_draws=1, tasks=tasks, max_sim_failures=0.25, rollouts=None,
                            user="scripted", max_turns=12, max_context=8192, reward="binary", out=str(out),
-                           screen=screen)
+                           screen=screen, user_workers=1)
     json.dump(vars(args), open(out / "args.json", "w"))
     pools = {"airline": envs.make_tasks("airline", "train", 40, ["easy"], 0)}
-    drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, {})
+    drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, "scripted")
     adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
-    m = rl.step_metrics(0, drawn, kept, lost, None, adv, dict(rollout_s=1.0, train_s=0.0))
+    m = rl.step_metrics(0, drawn, kept, lost, None, dict(rollout_s=1.0, train_s=0.0))
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
     return drawn, kept, adv, m
 
 
 def test_rl_sample_groups_to_page_with_the_real_tokenizer(tmp_path, tok):
-    """rl.py's own sample_groups / rollouts save a step's real conversations (scripted user, real env, an oracle
-    agent: no model); step_metrics records it; the page shows each group as rl.py filtered it, every token of
+    """rl.py's own sample_groups / sample_draw save a step's real conversations (scripted user, real env, an oracle
+    agent: no model); the page shows each group as rl.py filtered it, every token of
     every rollout, and the agent's script tag as text."""
     drawn, kept, adv, m = sample_step(tmp_path, tok, tasks=1, screen=0)
-    assert [(g["rewards"], g["filtered"]) for g in m["per_group"]] == [
+    assert [(r["rewards"], r["filtered"]) for _, r in records(tmp_path)] == [
         ([0.0, 1.0, 0.0, 1.0], ""), ([0.0, 1.0, 0.0, 1.0], "over --tasks cap"), ([0.0] * 4, "no variance")]
     vocab = viewer.load_vocab(rollout.DEFAULT_MODEL)
     html, n = viewer.build(str(tmp_path), vocab)
