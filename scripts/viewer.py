@@ -171,7 +171,7 @@ def load_vocab(model: str) -> Vocab:
 def spans(t, lo: int, hi: int, vocab: Vocab) -> str:
     """Tokens lo:hi of t, a span each: class m1 where the policy sampled it (loss_mask 1), else m0. The title (a
     hover) gives the id and, for a sampled token, the log-prob the sampler drew it with: logprobs[i] belongs to
-    token_ids[i] itself (rollout._add appends each sampled token with its own log-prob)."""
+    token_ids[i] itself (rollout.agent_turn appends each sampled token with its own log-prob)."""
     out = []
     for i in range(lo, hi):
         tid = t.token_ids[i]

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import envs
 import eval as ev
 import rollout
 
@@ -322,7 +323,7 @@ def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_
     assert len(fails) == saved["agents"]["base @ scripted"]["tau"]["n_failed"] and all("diff" in f for f in fails)
 
     evaluate, ran = ev.evaluate, []
-    monkeypatch.setattr(ev, "evaluate", lambda *a, **kw: ran.append(a[4]) or evaluate(*a, **kw))
+    monkeypatch.setattr(ev, "evaluate", lambda *a, **kw: ran.append(a[4].spec) or evaluate(*a, **kw))
     (tmp_path / "done" / "base___none.pkl").unlink()
     again = ev.main(argv)
     assert ran == ["none"] and list(again) == list(first)
@@ -332,7 +333,7 @@ def test_smoke_run_writes_everything_and_a_killed_run_resumes_agent_by_user(tmp_
     assert ran == ["none"] and same(alone) == same({"base": first["base @ none"]})
 
     def stop(*a, **kw):
-        ran.append(a[4])
+        ran.append(a[4].spec)
         raise KeyboardInterrupt
     monkeypatch.setattr(ev, "evaluate", stop)
     with pytest.raises(KeyboardInterrupt):
@@ -418,8 +419,8 @@ def test_a_task_whose_user_simulator_failed_leaves_pass_k_and_is_counted(tasks, 
         n["requests"] += 1
         return "401" if n["requests"] == 2 else {"content": "Thanks. ###STOP###"}
     with FakeServer(answer) as srv:
-        r = ev.evaluate(Reporter(tok), tok, tasks, trials=1, user="openai:m", progress=False, n_boot=20,
-                        base_url=srv.url, user_workers=1)
+        r = ev.evaluate(Reporter(tok), tok, tasks, trials=1, user=envs.UserFactory("openai:m", {"base_url": srv.url}),
+                        progress=False, n_boot=20, user_workers=1)
     assert r["sim_failures"] == 1 and r["tasks_lost"] == 1
     assert r["overall"]["n_tasks"] == len(tasks) - 1 and len(r["rewards"]) == len(tasks) - 1
     assert tasks[1].id not in r["rewards"]          # the second opening asked is the one that failed

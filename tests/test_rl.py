@@ -712,14 +712,14 @@ def test_every_results_table_command_trains_into_its_own_folder(tmp_path, tiny_m
         assert all(saved[flag[2:].replace("-", "_")] == value for flag, value in given.items()), (cmd, saved)
         assert any("loss" in m or "reward" in m for m in read_metrics(out)), cmd      # a step was logged
         assert (out / "adapter" / "adapter_model.safetensors").is_file(), cmd
-    default = tmp_path / "runs" / "rl"
-    before = {f: (default / f).read_bytes() for f in ("args.json", "metrics.jsonl", "adapter/adapter_model.safetensors")}
-    for cmd in ("python rl.py --init base", "python rl.py --user scripted:default"):
+    files = ("args.json", "metrics.jsonl", "adapter/adapter_model.safetensors")
+    before = {(d, f): (tmp_path / "runs" / d / f).read_bytes() for d in ("sft", "rl") for f in files}
+    for cmd in ("python rl.py --init base", "python rl.py --user scripted:default", "python sft.py --user none"):
         _, r = run(cmd)                                  # no --out: the default's folder
         print(r.stderr)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--out" in r.stderr, r.stderr
-        assert "init: " not in r.stdout                  # refused before the model loads
-    assert all((default / f).read_bytes() == b for f, b in before.items())
+        assert "init: " not in r.stdout and "trainable params" not in r.stdout     # refused before a model loads
+    assert all((tmp_path / "runs" / d / f).read_bytes() == b for (d, f), b in before.items())
 
 
 def test_same_adapters_fails_on_one_ulp(tmp_path):

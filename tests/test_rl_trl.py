@@ -144,6 +144,20 @@ def test_tasks_must_split_into_whole_groups_over_the_processes(monkeypatch, caps
     assert e.value.code == 2 and "--tasks: 3 tasks do not split into whole groups over 2" in capsys.readouterr().err
 
 
+def test_a_changed_setting_into_a_used_folder_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """As rl.py and sft.py: a folder whose args.json holds a run with other settings (here --init) is refused in one
+    line, exit 2, before the trainer is built, and its args.json is left as it was."""
+    saved = vars(rl_trl.parse_args(["--smoke", "--out", str(tmp_path)]))
+    (tmp_path / "args.json").write_text(json.dumps(saved))
+    before = (tmp_path / "args.json").read_bytes()
+    monkeypatch.setattr(rl_trl, "build_trainer", lambda args: pytest.fail("the trainer was built"))
+    with pytest.raises(SystemExit) as stop:
+        rl_trl.main(["--smoke", "--out", str(tmp_path), "--init", "base"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "--init 'auto' there, 'base' now" in err
+    assert (tmp_path / "args.json").read_bytes() == before
+
+
 @pytest.mark.slow      # two trainers, each a step: most of a minute
 def test_from_an_sft_adapter_kl_is_zero_before_the_first_update_and_the_reference_stays(tiny, tmp_path, monkeypatch):
     model, _ = rollout.load_model(tiny)

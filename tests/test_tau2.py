@@ -110,7 +110,7 @@ def test_policy_and_tools_come_from_tau2():
 def test_users_that_cannot_read_a_tau2_scenario_say_so(spec):
     task = envs.make_tasks("tau2-retail", "test", 1)[0]
     with pytest.raises(SystemExit, match="openai:MODEL"):
-        envs.make_user(spec, task, 0, env=envs.make_env(task))
+        envs.UserFactory(spec)(task, 0, envs.make_env(task))
 
 
 def test_a_prompt_longer_than_the_context_is_said_not_crashed(tok, capsys):
@@ -129,7 +129,7 @@ def test_tau2_user_reads_tau2s_prompt_and_runs_its_phone_tools_on_the_env():
     call = {"id": "c1", "type": "function", "function": {"name": "toggle_airplane_mode", "arguments": "{}"}}
     with FakeServer({"content": "My mobile data does not work."}, {"content": None, "tool_calls": [call]},
                     {"content": "Done, airplane mode is off now."}) as srv:
-        user = envs.make_user("openai:sim", task, 0, env=env, base_url=srv.url, api_key="k", timeout=5.0)
+        user = envs.UserFactory("openai:sim", dict(base_url=srv.url, api_key="k", timeout=5.0))(task, 0, env)
         first = user.first_message()
         said = user.reply([{"role": "user", "content": first},
                            {"role": "assistant", "content": "Please turn airplane mode off.", "tool_calls": []}])
