@@ -41,13 +41,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 class KVBuffer(DynamicLayer):
     """One layer's KV cache: `rows` rows, left-padded to `length`, with `room` free slots after it.
-    put(i, pieces) writes row i; keys/values (what attention reads) are views of the filled part."""
+    put(i, pieces) writes row i; keys/values (what attention reads) are views of the filled part.
+    storage: the (k, v) tensors to hold it, each (rows, kv_heads, length + room, head_dim), e.g. views of the static
+    decoder's buffer that every wave reuses (sampler/static.py); None: zeros of its own."""
 
-    def __init__(self, rows: int, like: torch.Tensor, length: int, room: int):
+    def __init__(self, rows: int, like: torch.Tensor, length: int, room: int, storage: tuple | None = None):
         super().__init__()                               # like: any (1, kv_heads, m, head_dim) of the model
         # zeros: padding is masked, but 0 * NaN would still be NaN
-        self.k = like.new_zeros(rows, like.shape[1], length + room, like.shape[3])   # (B, kv_heads, cap, hd)
-        self.v = torch.zeros_like(self.k)
+        self.k, self.v = storage or [like.new_zeros(rows, like.shape[1], length + room, like.shape[3])
+                                     for _ in range(2)]  # (B, kv_heads, cap, hd)
         self.n, self.dtype, self.device, self.is_initialized = length, like.dtype, like.device, True
         self.keys, self.values = self.k[:, :, :length], self.v[:, :, :length]
 
@@ -321,7 +323,7 @@ def sampler_scratch(config, dtype: torch.dtype, context: int, own: int, packed: 
 
 
 def plan_waves(own: list[int], prefix: int, room: int, budget: int | None,
-               scratch: tuple[float, float, float] = (0, 0, 0)) -> tuple[list[list[int]], bool]:
+               scratch: tuple[float, float, float] = (0, 0, 0), decode=None) -> tuple[list[list[int]], bool]:
     """(waves, keep): rows (indices) in waves to decode one after the other, each fitting `budget` cache
     tokens (None: no limit), and whether the rows' caches may be kept for the next round.
     own[i]: row i's tokens after the `prefix` tokens all rows share; room: tokens a row may still sample.
@@ -331,10 +333,16 @@ def plan_waves(own: list[int], prefix: int, room: int, budget: int | None,
     copies (keep False), and the waves take the longest rows first, so a wave pads little.
     A row that alone exceeds the budget still gets a wave of its own. scratch: (per row, per prefill token, once)
     in tokens of cache, what a wave allocates beside its keys/values (sampler_scratch), counted too; its longest
-    prefill forward takes the shared prefix, or at most PREFILL_TOKENS of its b rows' L own tokens each."""
+    prefill forward takes the shared prefix, or at most PREFILL_TOKENS of its b rows' L own tokens each.
+    decode(b, n): the tokens of the decode buffer of b rows of n tokens, when it is one buffer reused from wave to wave
+    (the static decoder's, rounded up to its buckets): a wave then holds the largest of the round so far. None: each
+    wave's own (b, n) KVBuffer."""
+    held = 0                                    # the reused buffer, as large as the round's waves so far needed
+
     def cost(b, L, copies):
         prefill = max(prefix, L, min(PREFILL_TOKENS, b * L))
-        return 2 * prefix + L + b * scratch[0] + prefill * scratch[1] + scratch[2] + (1 + copies) * b * (L + room)
+        buffer = max(held, decode(b, L + room)) if decode else b * (L + room)
+        return 2 * prefix + L + b * scratch[0] + prefill * scratch[1] + scratch[2] + buffer + copies * b * (L + room)
     if budget is None or not own or cost(len(own), max(own), 1) <= budget:
         return [list(range(len(own)))], True
     waves = []
@@ -342,6 +350,8 @@ def plan_waves(own: list[int], prefix: int, room: int, budget: int | None,
         if waves and cost(len(waves[-1]) + 1, own[waves[-1][0]], 0) <= budget:   # its first row is its longest
             waves[-1].append(i)
         else:
+            if waves and decode:
+                held = max(held, decode(len(waves[-1]), own[waves[-1][0]] + room))
             waves.append([i])
     return waves, False
 

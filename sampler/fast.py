@@ -7,7 +7,8 @@ greedy turns token for token, and sampled log-probs equal to a teacher-forced re
   - the prefix all conversations share (the system prompt) is prefilled once, stored once and attended
     once for all rows (sampler/attention.py);
   - rows decode together in waves that fit a KV budget, so 256 rollouts fit one GPU;
-  - on CPU the LoRA delta is merged into the weights while sampling (one matmul per projection).
+  - on CPU the LoRA delta is merged into the weights while sampling (one matmul per projection);
+  - on a GPU a decode step is static, one CUDA graph a token, with no host syncs (sampler/static.py; decode=).
 
 Watch it run, or time it against the plain one: python -m sampler.bench (--bench).
 """
@@ -17,6 +18,7 @@ from transformers.cache_utils import Cache
 from rollout import ChatFormat
 from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
                                prefill_new_turns, sampler_scratch, token_batches, token_slice, weight_major_linear)
+from sampler.static import free_memory, static_decoder
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -41,14 +43,25 @@ class ModelAgent:
     KV_RESERVE for the training step, on CPU no limit). When the rows' keys/values would not fit a
     second time beside the wave (their copies for the next round), they are not kept: only the shared
     prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
-    either way (tests/test_rollout.py)."""
+    either way (tests/test_rollout.py).
+
+    The decode loop, decode=: "eager" runs the model's forward a token at a time and asks the host which rows
+    finished after each (_sample; CPU's default, with merged LoRA and the weight-major layout); "static" runs
+    sampler/static.py's step, one CUDA graph a token on a GPU (CUDA's default), with sample_weights "bf16" | "nf4" |
+    "auto" (static.SAMPLE_WEIGHTS_HELP); "auto" picks by device. The same tokens either way
+    (tests/test_static_decode.py)."""
 
     KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak beyond the weights
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
-                 kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True):
+                 kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True, decode: str = "auto",
+                 sample_weights: str = "auto"):
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
-        self.merge_lora = merge_lora               # sample with the LoRA delta in the weights (lora_merged)
+        self.merge_lora = merge_lora               # eager: sample with the LoRA delta in the weights (lora_merged)
+        if decode not in ("auto", "eager", "static"):
+            raise ValueError(f"decode must be 'auto', 'eager' or 'static', got {decode!r}")
+        self.decode = decode if decode != "auto" else "static" if model.device.type == "cuda" else "eager"
+        self.sample_weights, self.static = sample_weights, None     # static: its StaticDecoder, from the first act()
         self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
         self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
@@ -61,9 +74,8 @@ class ModelAgent:
     def budget_tokens(self) -> int | None:
         """How many tokens of keys/values the agent may hold at once (None: no limit)."""
         if self.kv_budget is None and self.model.device.type == "cuda":     # once, before any cache exists
-            free = torch.cuda.mem_get_info(self.model.device)[0] + torch.cuda.memory_reserved() \
-                - torch.cuda.memory_allocated()                              # + what torch holds unused
-            self.kv_budget = max(0, free - self.KV_RESERVE)
+            held = self.static.held_bytes() if self.static else 0          # the static buffers are ours to reuse
+            self.kv_budget = max(0, free_memory(self.model.device) + held - self.KV_RESERVE)
         if self.kv_budget is None:
             return None
         return self.kv_budget // kv_bytes_per_token(self.model.config, self.model.get_input_embeddings().weight.dtype)
@@ -100,7 +112,11 @@ class ModelAgent:
         version = sum(p._version for p in self.model.parameters())   # lora_merged writes through .data: no bump
         if version != self.version:
             self.memo, self.version = [], version
-        with lora_merged(self.model, self.merge_lora):
+        if self.decode == "static":                   # before the budget: bf16's copy is not the sampler's to count
+            self.static = static_decoder(self.model, self.sample_weights, self.kv_budget, self.KV_RESERVE)
+            self.sample_weights = self.static.weights   # auto is decided once, at the first round
+            self.static.begin_round()
+        with lora_merged(self.model, self.merge_lora and self.decode == "eager"):
             outs = self._act(batch, [torch.tensor(ids) for _, _, ids in batch])
         self.model.train(was_training)
         return outs
@@ -116,8 +132,12 @@ class ModelAgent:
         scratch = sampler_scratch(self.model.config, dtype, max(map(len, rows)) + self.max_new_tokens, max(own),
                                   packed=self.model.device.type == "cpu")     # as prefill_new_turns picks
         per_token = kv_bytes_per_token(self.model.config, dtype)
+        scratch, buffer = [x / per_token for x in scratch], None
+        if self.static:                               # its decode buffer, reused from wave to wave, and its prefix copy
+            scratch[2] += self.static.prefix_tokens(sum(p for _, p in groups))
+            buffer = self.static.decode_tokens
         self.waves, self.keeps_rows = plan_waves(own, sum(p for _, p in groups), self.max_new_tokens,
-                                                 self.budget_tokens(), [x / per_token for x in scratch])
+                                                 self.budget_tokens(), scratch, buffer)
         if not self.keeps_rows:                       # keep only the shared prefixes' entries
             self.memo = [m for m in self.memo if len(m[0]) <= max(P)]
         for idx, p in groups:                         # each group's shared prefix: prefilled once, remembered
@@ -150,7 +170,9 @@ class ModelAgent:
 
         def put(i, layers):                           # row i's own keys/values into the decode buffer
             nonlocal cache
-            cache = cache or Cache(layers=[KVBuffer(B, pieces[0][0], L, room) for pieces in layers])
+            like = layers[0][0][0]
+            cache = cache or Cache(layers=self.static.wave_buffers(B, like, L, room) if self.static else
+                                   [KVBuffer(B, like, L, room) for _ in layers])
             for layer, pieces in zip(cache.layers, layers):
                 layer.put(i, pieces)
         for g in dict.fromkeys(gid):
@@ -183,6 +205,8 @@ class ModelAgent:
         log-probs)] per row, if remember, memo entries: each row's ids + sampled tokens but the last, with
         their keys/values)."""
         eot, T, dev = self.fmt.end_of_turn_id, self.temperature, self.model.device
+        if self.static:
+            return self.static.sample(rows, P, gid, cache, prefixes, logits, remember, T, eot, self.max_new_tokens)
         n, B, room = [len(r) for r in rows], len(rows), self.max_new_tokens
         L = max(a - p for a, p in zip(n, P))
         own_len = torch.tensor([a - p for a, p in zip(n, P)])

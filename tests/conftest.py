@@ -81,3 +81,23 @@ def tiny(tok):
     head.bias.data[2] = 9.5            # log(0.3 * 49152): p(<|im_end|>) ~ 0.25 per step
     model.lm_head = head
     return model
+
+
+def with_lora(model, seed: int = 3):
+    """model (a copy) with a LoRA adapter on every linear projection whose B is non-zero, so that the adapter changes
+    what the model samples (a fresh one has B = 0)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_lora(tiny):
+    """The tiny random model with a LoRA adapter whose B is non-zero: the merged-weights path matters."""
+    return with_lora(tiny)

@@ -15,20 +15,6 @@ from rollout import run_episodes
 from sampler import ModelAgent, PlainAgent, sample_turn
 
 
-@pytest.fixture(scope="module")
-def tiny_lora(tiny):
-    """The tiny random model with a LoRA adapter whose B is non-zero: the merged-weights path matters."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(3)
-    model = get_peft_model(copy.deepcopy(tiny), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.05)
-    return model.eval()
-
-
 def tasks():
     return [t for d in ours.DOMAINS for t in ours.make_tasks(d, "train", 2)]
 
