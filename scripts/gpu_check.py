@@ -16,11 +16,18 @@ short keeps what finished; --parts reruns some. At the end, one table of them al
   update   one GRPO update (rl.grpo_update) of Qwen3-8B's shapes, random NF4 weights + LoRA r16, on 8
            sequences of 8k tokens with activation checkpointing: peak GiB (target <= 20) and seconds
            (scripts/bench_update.py's memory check)
-  sampler  sampler.ModelAgent on that model: sampled tokens/s at 8, 32 and 64 rows that continue one 1.8k-token
-           system prompt, decoded in the waves sampler.attention.plan_waves makes within --kv-budget
-  decode   where a decode step's milliseconds go and the NF4 kernel (kernels/nf4.py) against bitsandbytes, before
-           and after, on that model at 8, 32 and 64 rows; the sampler's log-probs against the training forward's
+  sampler  sampler.ModelAgent as rl.py makes it (on CUDA the static decode step, --sample-weights) on that model:
+           sampled tokens/s at 8, 32 and 64 rows that continue one 1.8k-token system prompt, every row new (its
+           prefill counted), decoded in the waves sampler.attention.plan_waves makes within --kv-budget
+  decode   the decode before (the eager loop) and after (sampler/static.py: one CUDA graph a token) with each sampling
+           weights mode, on that model at 8, 32 and 64 rows: decode tok/s, ms a step, the peak against the budget,
+           where a round's milliseconds go, each mode's log-probs against the training forward's
            (scripts/gpu_decode.py)
+  rlstep   one rl.py step of the paper's size on that model, in this process: 32 tasks x 8 conversations, the scripted
+           user, the GPU preset's caps (256 tokens a turn, 8k context) but RL_TURNS agent turns, not 30 (a random
+           model never ends a turn, so each of the 256 conversations would run to its context limit), and the update
+           on RL_GROUPS groups (their rollout t scores t % 2, the others all 0, which GRPO skips); sampling seconds,
+           update seconds (scale by 32 / RL_GROUPS for a full batch of groups), the peak of each
   stages   one rl.py step and one scripts/rl_trl.py step (transformers generate) on a small random Qwen3 in NF4 with
            the scripted user, each in its own process (scripts/bench_trl.py: rollout t of a group scores
            t % 2, so every group has reward variance and both sides update)
@@ -46,7 +53,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
-PARTS = ("kernel", "update", "sampler", "decode", "stages")
+PARTS = ("kernel", "update", "sampler", "decode", "rlstep", "stages")
+MODEL_PARTS = ("update", "sampler", "decode", "rlstep")            # the parts that use the 8B-shaped model
+RL_TURNS, RL_GROUPS = 2, 4                                         # rlstep's shortening (above)
 KIT = ("bitsandbytes", "peft", "trl", "datasets", "dill", "multiprocess")     # what scripts/gpu_kit.sh carries
 VERSIONS = ("torch", "transformers", "triton", "accelerate", "peft", "bitsandbytes", "trl", "datasets", "pyarrow",
             "fsspec", "huggingface_hub", "tokenizers", "numpy")
@@ -66,6 +75,13 @@ def parse_args(argv=None):
                    "tokenizer (scripts/gpu_kit.sh); --cpu without it: made from the bundled SmolLM2")
     p.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the sampler may hold (0 = what "
                    "a 24 GiB card leaves: 24 minus the weights minus the sampler's 6 GiB training reserve)")
+    p.add_argument("--sample-weights", default="auto", choices=["auto", "bf16", "nf4"], help="the static decode "
+                   "step's weights in the sampler and rlstep parts (the decode part measures each; sampler/static.py): "
+                   "bf16 = a dense copy of every projection with the LoRA delta merged once a round, exact up to one "
+                   "bf16 rounding, 2 bytes a weight (13.0 GiB for Qwen3-8B); nf4 = the NF4 layers and LoRA's two small "
+                   "matmuls, no copy; auto = bf16 when copy + the update's 6 GiB reserve + the KV budget (8 GiB when "
+                   "automatic) fit the free memory, else nf4: an 80 GiB card holding 8B NF4 (5.8 GiB) has ~73 GiB free "
+                   ">= 13.0 + 6 + 8 -> bf16; a 24 GiB card has ~17.5 < 27 -> nf4")
     p.add_argument("--update-seqs", type=int, default=8, help="8k-token sequences in the GRPO update")
     p.add_argument("--rep", type=int, default=50, help="ms do_bench spends measuring each kernel case")
     args = p.parse_args(argv)
@@ -304,14 +320,20 @@ def part_sampler(args, ctx, part):
     new = 128 if cuda else 4
     budget, batch, prefix, own, per_token = sampler_workload(args, ctx, new)
     model, tok = ctx.model, ctx.tok
-    held = torch.cuda.memory_allocated() if cuda else 0
-    ModelAgent(model, tok, 1.0, 4, kv_budget=budget).act(batch(8))        # warm-up: kernels, cuBLAS handles
-    part.update(budget_gib=budget / GIB, kv_kib_per_token=per_token / 1024, prefix=prefix, own=own, new=new, rows=[])
+    agent = ModelAgent(model, tok, 1.0, 4, kv_budget=budget, sample_weights=args.sample_weights)
+    agent.act(batch(8))                               # warm-up: kernels, cuBLAS handles, bf16's copy
+    weights = agent.sample_weights if agent.static else "eager decode"
+    # what is held besides the sampler: the weights and bf16's copy, not the static decoder's reusable buffers
+    held = torch.cuda.memory_allocated() - (agent.static.held_bytes() if agent.static else 0) if cuda else 0
+    del agent
+    part.update(budget_gib=budget / GIB, kv_kib_per_token=per_token / 1024, prefix=prefix, own=own, new=new, rows=[],
+                sample_weights=weights)
     print(f"  one round, every row new: {prefix} shared + {own[0]}-{own[1]} own tokens a row prefilled, then <= {new} "
-          f"sampled (tok/s counts both); KV {per_token / 1024:.0f} KiB a token, budget {budget / GIB:.2f} GiB = "
-          f"{budget // per_token} tokens", flush=True)
+          f"sampled (tok/s: sampled tokens / the round's seconds); KV {per_token / 1024:.0f} KiB a token, budget "
+          f"{budget / GIB:.2f} GiB = {budget // per_token} tokens; sampling weights {weights}", flush=True)
     for rows in (8, 32, 64):
-        agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=new, kv_budget=budget)
+        agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=new, kv_budget=budget,
+                           sample_weights=args.sample_weights)
         b = batch(rows)
         sync()
         torch.cuda.reset_peak_memory_stats() if cuda else None
@@ -321,12 +343,13 @@ def part_sampler(args, ctx, part):
         dt = time.time() - t0
         tokens = sum(len(ids) for ids, _ in outs)
         peak = (torch.cuda.max_memory_allocated() - held) / GIB if cuda else None
+        graphs = (agent.static.captures, agent.static.capture_s) if agent.static else (0, 0.0)
         r = dict(rows=rows, waves=len(agent.waves), keeps_rows=agent.keeps_rows, tokens=tokens, seconds=dt,
-                 tok_s=tokens / dt, peak_above_weights_gib=peak)
+                 tok_s=tokens / dt, peak_above_weights_gib=peak, graphs_so_far=graphs)
         part["rows"].append(r)
         print(f"  {rows:>3} rows: {len(agent.waves)} wave(s){' (rows kept)' if agent.keeps_rows else ''}, {tokens} tokens "
-              f"in {dt:.2f} s = {tokens / dt:.0f} tok/s" + (f", peak {peak:.2f} GiB above the weights" if cuda else ""),
-              flush=True)
+              f"in {dt:.2f} s = {tokens / dt:.0f} tok/s" + (f", peak {peak:.2f} GiB above the weights" if cuda else "")
+              + f"; CUDA graphs captured so far {graphs[0]} in {graphs[1]:.1f} s", flush=True)
         lps = [lp for _, lps in outs for lp in lps]
         check(part, f"{rows} rows: every row sampled, log-probs finite and <= 0",
               all(ids for ids, _ in outs) and all(math.isfinite(lp) and lp <= 1e-6 for lp in lps),
@@ -339,8 +362,107 @@ def sampler_rows(part):
         memory = "" if r["peak_above_weights_gib"] is None else (
             f"peak {r['peak_above_weights_gib']:.2f} <= budget {part['budget_gib']:.2f} GiB: "
             + ("OK" if r["peak_above_weights_gib"] <= part["budget_gib"] else "OVER"))
-        out.append((f"sampler {r['rows']} rows: tok/s, waves", f"{r['tok_s']:.0f}, {r['waves']}", memory))
+        out.append((f"sampler {r['rows']} rows ({part['sample_weights']}): round tok/s, waves",
+                    f"{r['tok_s']:.0f}, {r['waves']}", memory))
     return out
+
+
+# ----------------------------------------------------------------------------- rlstep
+
+def part_rlstep(args, ctx, part):
+    """rl.main, one step, in this process on the 8B-shaped model (the CPU rehearsal: a tiny Qwen3 and a tiny step).
+    rollout.load_model hands it that model (its LoRA made already: rollout.add_lora passes it through); the first
+    RL_GROUPS tasks' rollouts score trial % 2, the others 0; rl.grpo_update is wrapped to read the peaks, and the
+    static decoder's graph captures to count them."""
+    from unittest import mock
+    import rl
+    import rollout
+    import sampler
+    from sampler.static import StaticDecoder
+    cuda = not args.cpu
+    if cuda and ctx.model is None:                   # --parts without update, sampler or decode
+        from bench_update import nf4_lora_model, qwen3_shapes
+        ctx.config, ctx.model = qwen3_shapes(), nf4_lora_model(qwen3_shapes(), ctx.device)
+    if cuda:
+        model = ctx.model
+    else:                                            # the tiny shapes' vocabulary is smaller than the tokenizer's
+        from bench_update import nf4_lora_model
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from tiny_qwen3 import qwen3_config
+        model = nf4_lora_model(qwen3_config(len(ctx.tok)), ctx.device)
+    out = os.path.join(ctx.work, "rlstep")
+    argv = ["--preset", "gpu", "--init", "base", "--steps", "1", "--max-draws", "1", "--eval-every", "0",
+            "--load-in-4bit", "--out", out] + (["--max-turns", str(RL_TURNS)] if cuda else   # the rest: the preset's
+                                               ["--max-turns", "1", "--tasks", "2", "--draw", "2", "--group-size", "2",
+                                                "--max-new-tokens", "8"])
+    run_episodes, update, make_agent, capture = rollout.run_episodes, rl.grpo_update, sampler.make_agent, \
+        StaticDecoder._capture
+    peaks, agents, captures = {}, [], []
+
+    def rewarded(*a, **kw):                          # RL_GROUPS groups with reward variance, the rest all 0
+        trajs = run_episodes(*a, **kw)
+        varied = list(dict.fromkeys(t.task_id for t in trajs))[:RL_GROUPS]
+        for t in trajs:
+            t.reward = float(t.trial % 2) if t.task_id in varied else 0.0
+        return trajs
+
+    def peak(name):                                  # GiB allocated at the peak since the last reset
+        sync()
+        if cuda:
+            peaks[name] = torch.cuda.max_memory_allocated() / GIB
+            torch.cuda.reset_peak_memory_stats()
+
+    def measured_update(*a, **kw):
+        peak("sampling_peak_gib")
+        out = update(*a, **kw)
+        peak("update_peak_gib")
+        return out
+
+    def counted_capture(self, *a):
+        t0 = time.perf_counter()
+        graph = capture(self, *a)
+        captures.append(time.perf_counter() - t0)
+        return graph
+    gc.collect()
+    sync()
+    torch.cuda.reset_peak_memory_stats() if cuda else None
+    held = torch.cuda.memory_allocated() / GIB if cuda else None
+    with mock.patch.object(rollout, "load_model", lambda *a, **kw: (model, ctx.tok)), \
+            mock.patch.object(rollout, "add_lora", lambda m, **kw: m), \
+            mock.patch.object(rollout, "run_episodes", rewarded), mock.patch.object(rl, "grpo_update", measured_update), \
+            mock.patch.object(sampler, "make_agent", lambda *a, **kw: agents.append(make_agent(*a, **kw)) or agents[-1]), \
+            mock.patch.object(StaticDecoder, "_capture", counted_capture):
+        print(f"  rl.py {' '.join(argv)}", flush=True)
+        m = rl.main(argv)[-1]
+    agent = agents[-1]
+    with open(os.path.join(out, "args.json")) as f:         # the arguments the step ran with (rl.py saves them)
+        ran = json.load(f)
+    graphs = (len(captures), sum(captures))
+    part.update(m=dict((k, m[k]) for k in ("rollout_s", "train_s", "s_per_step", "tokens", "train_tokens", "tok_per_s",
+                                           "groups_drawn", "groups_trained", "turns", "grad_norm")),
+                held_gib=held, graphs=graphs, group_size=ran["group_size"], turns=ran["max_turns"],
+                sample_weights=agent.sample_weights if getattr(agent, "static", None) else "eager decode", **peaks)
+    print(f"  rlstep: {m['groups_drawn']} groups x {part['group_size']}, {m['tokens']} sampled tokens in {m['rollout_s']:.1f} s "
+          f"({m['tok_per_s']:.0f} tok/s; CUDA graphs {graphs[0]} captured in {graphs[1]:.1f} s of it), update of "
+          f"{m['groups_trained']} groups ({m['train_tokens']} tokens) in {m['train_s']:.1f} s"
+          + (f"; held {held:.2f} GiB before, peak {peaks['sampling_peak_gib']:.2f} sampling, "
+             f"{peaks['update_peak_gib']:.2f} updating" if cuda else ""), flush=True)
+    gnorm = m["grad_norm"]
+    check(part, "groups trained, grad norm finite and > 0", m["groups_trained"] >= 1 and gnorm is not None
+          and math.isfinite(gnorm) and gnorm > 0, f"{m['groups_trained']} groups, grad norm {gnorm}")
+
+
+def rlstep_rows(part):
+    if "m" not in part:
+        return []
+    m = part["m"]
+    memory = "" if part["held_gib"] is None else (
+        f"held {part['held_gib']:.2f} GiB; peak {part['sampling_peak_gib']:.2f} sampling, "
+        f"{part['update_peak_gib']:.2f} updating")
+    return [(f"rlstep {m['groups_drawn']} x {part['group_size']} conversations, {part['turns']} turn(s) "
+             f"({part['sample_weights']}): sampling s "
+             "(graphs s), update s of groups", f"{m['rollout_s']:.1f} ({part['graphs'][1]:.1f}), {m['train_s']:.1f} of "
+             f"{m['groups_trained']}", memory)]
 
 
 # ----------------------------------------------------------------------------- stages
@@ -409,6 +531,7 @@ def main(argv=None):
     ctx = SimpleNamespace(device="cuda" if cuda else "cpu", tok=load_tokenizer(args), model=None, config=None, free=free,
                           work=tempfile.mkdtemp(prefix="gpu_check-"))
     path = os.path.join(args.out, "gpu_check.json")
+    last_model_part = next((p for p in reversed(args.parts) if p in MODEL_PARTS), None)     # None: --parts stages
     for name in args.parts:
         print(f"\n== {name}", flush=True)
         part, t0 = dict(checks=[]), time.time()
@@ -420,7 +543,7 @@ def main(argv=None):
         part["seconds_part"] = time.time() - t0
         part["ok"] = "error" not in part and all(c["ok"] for c in part["checks"])
         results["parts"][name] = part
-        if name == [p for p in args.parts if p in ("update", "sampler", "decode")][-1]:
+        if name == last_model_part:
             ctx.model = None                          # the 8B model goes once its last part has used it
         free()
         with open(path, "w") as f:

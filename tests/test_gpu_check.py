@@ -57,3 +57,14 @@ def test_the_stages_flags_parse_as_they_would_on_a_gpu_without_vllm(monkeypatch)
         args = module.parse_args(bench_trl.stage_argv(stage, ns, "out") + gpu_check.STAGE_FLAGS)
         assert args.load_in_4bit and args.grad_checkpointing == "on" and args.steps == 1
     assert args.vllm == "off"
+
+
+def test_the_stages_part_runs_alone_and_the_check_ends_with_its_table(monkeypatch, tmp_path, capsys):
+    """--parts stages uses no 8B model: main must not look for the last part that does (it raised IndexError). The
+    stages themselves (two subprocesses, minutes) are stood in for by a part that passes one check."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "part_stages", lambda args, ctx, part: ran.append(ctx.model)
+                        or gpu_check.check(part, "stood in", True, "-"))
+    assert gpu_check.main(["--cpu", "--parts", "stages", "--out", str(tmp_path)]) == 0
+    assert ran == [None] and "| stages: stood in | - | OK |" in capsys.readouterr().out
+    assert (tmp_path / "gpu_check.json").exists()
