@@ -1,6 +1,8 @@
 """sampler/: the policy as a sampler. plain.py is the one to read (sample_turn: a dozen lines over a KV cache);
 fast.py is the same tokens, faster (many conversations at once, keys/values kept between rounds, the shared
-system prompt attended once, waves that fit a KV budget), with its attention in attention.py; bench.py runs a few episodes, or times the two (python -m sampler.bench)."""
+system prompt attended once, waves that fit a KV budget), with its attention in attention.py and, on a GPU, its
+decode step in static.py (fixed shapes, no host syncs: one CUDA graph a token); bench.py runs a few episodes, or
+times the two (python -m sampler.bench)."""
 from sampler.fast import ModelAgent
 from sampler.plain import PlainAgent, sample_turn   # noqa: F401
 

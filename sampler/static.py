@@ -27,7 +27,7 @@ Sampling weights (sample_weights; the seven projections of each layer, the rest 
         W + s B A summed in fp32 and rounded once: exact up to one rounding. W is the weight the model multiplies
         by (bitsandbytes' NF4 dequantized as its forward does), so no second copy of the base is kept: each refresh
         dequantizes it again, in place, once a round at most (when an optimizer step changed the weights). One
-        matmul a projection; 2 bytes a weight more (Qwen3-8B: 13.0 GiB).
+        matmul a projection; 2 bytes a weight more (Qwen3-8B: 12.9 GiB).
   nf4   the model's own projection modules, bitsandbytes NF4 with --load-in-4bit and peft's LoRA unmerged (its two
         small matmuls inside the graph): no copy, the fit for a 24 GiB card.
   auto  bf16 where the copy, the update's reserve and the KV budget fit the free memory, else nf4 (choose_weights).
@@ -47,12 +47,6 @@ ROWS_STEP, COLS_STEP = 8, 128   # rows buckets: 1, 2, 4, then multiples of 8; le
 BUFFER_STEP = 1.25          # the keys/values buffer comes in sizes 1.25x apart, so that nearby waves share one
 MIN_KV_BF16 = 8 * 2**30     # auto with an automatic KV budget: bf16 only if it leaves this much for keys/values
 WEIGHTS = ("auto", "bf16", "nf4")
-SAMPLE_WEIGHTS_HELP = (
-    "the static decode step's projection weights (a GPU): bf16 = a dense copy with the LoRA delta merged once a "
-    "round (one matmul a projection, exact up to one bf16 rounding; 2 bytes a weight, 13.0 GiB for Qwen3-8B); nf4 = "
-    "the model's own NF4 layers and LoRA's two small matmuls (no copy); auto = bf16 when copy + the update's 6 GiB "
-    "reserve + the KV budget (--kv-budget, or 8 GiB when auto) fit the free memory, else nf4: an 80 GiB card with "
-    "8B NF4 (5.8 GiB) has ~73 free >= 13.0 + 6 + 8 -> bf16; a 24 GiB card has ~17.5 < 27 -> nf4")
 
 
 def rows_bucket(n: int) -> int:
@@ -146,7 +140,9 @@ def copy_bytes(model) -> int:
 
 def choose_weights(model, kv_budget: int | None, reserve: int) -> str:
     """auto: bf16 when its copy, the update's reserve and the KV budget (kv_budget bytes, or MIN_KV_BF16 when the
-    budget is automatic) fit the free memory; else nf4. On CPU nf4: the static step is the tests' path there."""
+    budget is automatic) fit the free memory; else nf4. On CPU nf4: the static step is the tests' path there.
+    Qwen3-8B in NF4 + LoRA holds 5.8 GiB and its copy takes 12.9: an 80 GiB card has ~73 GiB free >= 12.9 + 6 + 8
+    -> bf16; a 24 GiB card ~17.5 < 26.9 -> nf4 (docs/gpu.md)."""
     if model.device.type != "cuda":
         return "nf4"
     held = _decoders.get(model)                        # a decoder made before: its buffers and copy are ours to reuse
@@ -263,7 +259,8 @@ def decode_step(body: Body, proj: list[Projections], kv, prefix, st: StepState, 
 
 # ----------------------------------------------------------------------------- the decoder
 
-_decoders = weakref.WeakKeyDictionary()          # model -> its StaticDecoder: one copy and one buffer however many agents
+_decoders = weakref.WeakKeyDictionary()          # model -> its StaticDecoder: one copy and one buffer, however many
+                                                 # agents
 
 
 def static_decoder(model, weights: str = "auto", kv_budget: int | None = None, reserve: int = 0) -> "StaticDecoder":
@@ -289,8 +286,8 @@ class StaticDecoder:
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = lm.config
         if config.model_type not in ("llama", "qwen3"):
-            raise NotImplementedError(f"the static decode step is written for Llama and Qwen3, not {config.model_type}: "
-                                      "use ModelAgent(decode='eager')")
+            raise NotImplementedError(f"the static decode step is written for Llama and Qwen3, not "
+                                      f"{config.model_type}: use ModelAgent(decode='eager')")
         rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         if rope.get("rope_type") in ("dynamic", "longrope") or getattr(config, "use_sliding_window", False):
             raise NotImplementedError("the static decode step has no dynamic rotary scaling or sliding window")
@@ -313,8 +310,8 @@ class StaticDecoder:
         """(the projections' parameter versions: an optimizer step bumps them; each LoRA layer's adapter state and
         parameter addresses: what a captured peft forward read)."""
         return (sum(p._version for p in self.params),
-                tuple((m.disable_adapters, m.merged, tuple(m.active_adapters), tuple(p.data_ptr() for p in m.parameters()))
-                      for m in self.lora))
+                tuple((m.disable_adapters, m.merged, tuple(m.active_adapters),
+                       tuple(p.data_ptr() for p in m.parameters())) for m in self.lora))
 
     def begin_round(self):
         """Before a round: bf16's copy rewritten if the weights changed; nf4's graphs dropped if an adapter was
@@ -328,7 +325,7 @@ class StaticDecoder:
                 for m in layer:
                     m.refresh()
         elif signature[1] != self.signature[1]:
-            self.graphs = {}
+            self._drop_graphs()
         self.signature = signature
 
     def held_bytes(self) -> int:
@@ -352,7 +349,8 @@ class StaticDecoder:
         b, S, layers, kvh, hd = rows_bucket(rows), cols_bucket(L + room), len(self.proj), like.shape[1], like.shape[3]
         need = self.decode_tokens(rows, L + room) * kvh * hd
         if self.kv is None or need > self.kv.shape[-1] or (self.new_round and need != self.kv.shape[-1]):
-            self.kv, self.graphs = None, {}            # the old buffer goes before the new one is made
+            self.kv = None                             # the old buffer goes before the new one is made
+            self._drop_graphs()
             self.kv = like.new_zeros(2, layers, need)  # zeros: padding is masked, but 0 * NaN would still be NaN
         self.new_round = False
         view = self.kv[..., :b * kvh * S * hd].view(2, layers, b, kvh, S, hd)
@@ -365,7 +363,8 @@ class StaticDecoder:
         total = sum(prefixes[g][0][0].shape[2] for g in groups)
         Pb = cols_bucket(max(total, 1))
         if self.prefix is None or self.prefix.shape[-2] < Pb:
-            self.prefix, self.state, self.graphs = None, None, {}
+            self.prefix, self.state = None, None
+            self._drop_graphs()
             self.prefix = like.new_zeros(2, len(self.proj), like.shape[1], Pb, like.shape[3])
         offset, first = 0, {}
         for g in groups:
@@ -378,12 +377,18 @@ class StaticDecoder:
     def _state(self, rows: int, room: int) -> StepState:
         st = self.state
         if st is None or st.tok.shape[0] < rows or st.out_tok.shape[1] < room:
-            self.state, self.graphs = None, {}
+            self.state = None
+            self._drop_graphs()
             self.state = StepState(max(rows, 0 if st is None else st.tok.shape[0]), self.prefix.shape[-2],
                                    max(room, 0 if st is None else st.out_tok.shape[1]), self.device)
         return self.state
 
     # -- the step, eager or replayed
+    def _drop_graphs(self):
+        """The graphs read the buffers by address: a new buffer, or a peft forward captured in another adapter state,
+        makes them stale. Their memory pool goes with them."""
+        self.graphs, self.pool = {}, None
+
     def _step(self, views, b: int, T: float, eot: int):
         kv, prefix = views
         run = lambda: decode_step(self.body, self.proj, kv, prefix, self.state, b, T, eot)   # noqa: E731
@@ -460,7 +465,8 @@ class StaticDecoder:
                 if remember:                                     # its KV: row + sampled tokens but the last
                     own = slice(L - own_len[i], L + end - 1)
                     memo[i] = (torch.cat([rows[i], torch.tensor(new[:end - 1], dtype=torch.long)]),
-                               [([shared] if shared else []) + [(k[j:j + 1, :, own].clone(), v[j:j + 1, :, own].clone())]
+                               [([shared] if shared else []) + [(k[j:j + 1, :, own].clone(),
+                                                                 v[j:j + 1, :, own].clone())]
                                 for shared, (k, v) in zip(prefixes[gid[i]] or [None] * len(kv), kv)])
                 slots[j] = None
         step_views = views(b)

@@ -78,10 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--sample-weights", default="auto", choices=["auto", "bf16", "nf4"], help="the static decode "
                    "step's weights in the sampler and rlstep parts (the decode part measures each; sampler/static.py): "
                    "bf16 = a dense copy of every projection with the LoRA delta merged once a round, exact up to one "
-                   "bf16 rounding, 2 bytes a weight (13.0 GiB for Qwen3-8B); nf4 = the NF4 layers and LoRA's two small "
+                   "bf16 rounding, 2 bytes a weight (12.9 GiB for Qwen3-8B); nf4 = the NF4 layers and LoRA's two small "
                    "matmuls, no copy; auto = bf16 when copy + the update's 6 GiB reserve + the KV budget (8 GiB when "
                    "automatic) fit the free memory, else nf4: an 80 GiB card holding 8B NF4 (5.8 GiB) has ~73 GiB free "
-                   ">= 13.0 + 6 + 8 -> bf16; a 24 GiB card has ~17.5 < 27 -> nf4")
+                   ">= 12.9 + 6 + 8 -> bf16; a 24 GiB card has ~17.5 < 26.9 -> nf4")
     p.add_argument("--update-seqs", type=int, default=8, help="8k-token sequences in the GRPO update")
     p.add_argument("--rep", type=int, default=50, help="ms do_bench spends measuring each kernel case")
     args = p.parse_args(argv)
@@ -281,11 +281,12 @@ def sampler_workload(args, ctx, new):
     model, tok = ctx.model, ctx.tok
     prefix, own = (1800, (600, 1400)) if cuda else (48, (8, 16))
     per_token = kv_bytes_per_token(model.config, model.get_input_embeddings().weight.dtype)
-    held = torch.cuda.memory_allocated() if cuda else 0
+    if cuda and ctx.weights is None:                # before any sampler holds memory: a static decoder's buffers and
+        ctx.weights = torch.cuda.memory_allocated()  # bf16 copy stay from part to part
     if args.kv_budget:
         budget = int(args.kv_budget * GIB)
     elif cuda:                                       # a 24 GiB card: what the weights and the training reserve leave
-        budget = max(0, 24 * GIB - held - ModelAgent.KV_RESERVE)
+        budget = max(0, 24 * GIB - ctx.weights - ModelAgent.KV_RESERVE)
     else:                                            # toy: 20 rows a wave, so 32 and 64 rows take several
         from sampler.attention import sampler_scratch
         row, token, once = sampler_scratch(model.config, model.dtype, prefix + own[1] + new, own[1], packed=True)
@@ -347,7 +348,8 @@ def part_sampler(args, ctx, part):
         r = dict(rows=rows, waves=len(agent.waves), keeps_rows=agent.keeps_rows, tokens=tokens, seconds=dt,
                  tok_s=tokens / dt, peak_above_weights_gib=peak, graphs_so_far=graphs)
         part["rows"].append(r)
-        print(f"  {rows:>3} rows: {len(agent.waves)} wave(s){' (rows kept)' if agent.keeps_rows else ''}, {tokens} tokens "
+        print(f"  {rows:>3} rows: {len(agent.waves)} wave(s){' (rows kept)' if agent.keeps_rows else ''}, {tokens} "
+              "tokens "
               f"in {dt:.2f} s = {tokens / dt:.0f} tok/s" + (f", peak {peak:.2f} GiB above the weights" if cuda else "")
               + f"; CUDA graphs captured so far {graphs[0]} in {graphs[1]:.1f} s", flush=True)
         lps = [lp for _, lps in outs for lp in lps]
@@ -418,6 +420,10 @@ def part_rlstep(args, ctx, part):
         peak("update_peak_gib")
         return out
 
+    def kept_agent(*a, **kw):                        # rl.py's sampler, to read its sampling weights after
+        agents.append(make_agent(*a, **kw))
+        return agents[-1]
+
     def counted_capture(self, *a):
         t0 = time.perf_counter()
         graph = capture(self, *a)
@@ -429,8 +435,9 @@ def part_rlstep(args, ctx, part):
     held = torch.cuda.memory_allocated() / GIB if cuda else None
     with mock.patch.object(rollout, "load_model", lambda *a, **kw: (model, ctx.tok)), \
             mock.patch.object(rollout, "add_lora", lambda m, **kw: m), \
-            mock.patch.object(rollout, "run_episodes", rewarded), mock.patch.object(rl, "grpo_update", measured_update), \
-            mock.patch.object(sampler, "make_agent", lambda *a, **kw: agents.append(make_agent(*a, **kw)) or agents[-1]), \
+            mock.patch.object(rollout, "run_episodes", rewarded), \
+            mock.patch.object(rl, "grpo_update", measured_update), \
+            mock.patch.object(sampler, "make_agent", kept_agent), \
             mock.patch.object(StaticDecoder, "_capture", counted_capture):
         print(f"  rl.py {' '.join(argv)}", flush=True)
         m = rl.main(argv)[-1]
@@ -442,7 +449,8 @@ def part_rlstep(args, ctx, part):
                                            "groups_drawn", "groups_trained", "turns", "grad_norm")),
                 held_gib=held, graphs=graphs, group_size=ran["group_size"], turns=ran["max_turns"],
                 sample_weights=agent.sample_weights if getattr(agent, "static", None) else "eager decode", **peaks)
-    print(f"  rlstep: {m['groups_drawn']} groups x {part['group_size']}, {m['tokens']} sampled tokens in {m['rollout_s']:.1f} s "
+    print(f"  rlstep: {m['groups_drawn']} groups x {part['group_size']}, {m['tokens']} sampled tokens in "
+          f"{m['rollout_s']:.1f} s "
           f"({m['tok_per_s']:.0f} tok/s; CUDA graphs {graphs[0]} captured in {graphs[1]:.1f} s of it), update of "
           f"{m['groups_trained']} groups ({m['train_tokens']} tokens) in {m['train_s']:.1f} s"
           + (f"; held {held:.2f} GiB before, peak {peaks['sampling_peak_gib']:.2f} sampling, "
@@ -529,7 +537,7 @@ def main(argv=None):
         gc.collect()
         torch.cuda.empty_cache() if cuda else None
     ctx = SimpleNamespace(device="cuda" if cuda else "cpu", tok=load_tokenizer(args), model=None, config=None, free=free,
-                          work=tempfile.mkdtemp(prefix="gpu_check-"))
+                          work=tempfile.mkdtemp(prefix="gpu_check-"), weights=None)
     path = os.path.join(args.out, "gpu_check.json")
     last_model_part = next((p for p in reversed(args.parts) if p in MODEL_PARTS), None)     # None: --parts stages
     for name in args.parts:
