@@ -1,7 +1,9 @@
 """The sampler's KV budget counts everything it allocates: ModelAgent.act's peak of allocated bytes (torch's
 profiler, every CPU allocation and free in time order) stays within --kv-budget, on a tiny Qwen3 with the GPU
 check's workload (one system prompt shared by every row, own parts of different lengths, every row new), in
-one wave with the rows' keys/values kept and in several waves. The old arithmetic (keys/values only, and every
+one wave with the rows' keys/values kept and in several waves, with the eager decode loop and with the static step
+(sampler/static.py: its buffer, reused from wave to wave and rounded up to its buckets, counted as plan_waves does;
+its own copy of the shared prefix). The old arithmetic (keys/values only, and every
 prefill batch's keys/values alive at once beside the decode buffer) went over the same budget: tested too, so
 this test can tell the two apart."""
 import pytest
@@ -9,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import sampler.attention
+import sampler.static
 from sampler import ModelAgent
 
 MiB = 2**20
@@ -44,12 +47,14 @@ def workload(rows, seed=0, prefix=300, own=(100, 400)):
                                                   generator=g).tolist()) for _ in range(rows)]
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("rows, budget_mib, waves", [(8, 40, 1), (24, 24, 3)])
-def test_peak_stays_within_the_kv_budget(qwen3, tok, rows, budget_mib, waves):
-    agent = ModelAgent(qwen3, tok, temperature=1.0, max_new_tokens=16, kv_budget=budget_mib * MiB)
+def test_peak_stays_within_the_kv_budget(qwen3, tok, rows, budget_mib, waves, decode):
+    sampler.static._decoders.pop(qwen3, None)        # a static decoder from an earlier test would hold its buffer
+    agent = ModelAgent(qwen3, tok, temperature=1.0, max_new_tokens=16, kv_budget=budget_mib * MiB, decode=decode)
     torch.manual_seed(0)
     peak, outs = peak_allocated(lambda: agent.act(workload(rows)))
-    print(f"{rows} rows, budget {budget_mib} MiB: {len(agent.waves)} wave(s) of {[len(w) for w in agent.waves]}, "
+    print(f"{decode}, {rows} rows, budget {budget_mib} MiB: {len(agent.waves)} wave(s) of {[len(w) for w in agent.waves]}, "
           f"rows kept {agent.keeps_rows}; peak {peak / MiB:.2f} MiB = {peak / (budget_mib * MiB):.0%} of the budget")
     assert all(ids for ids, _ in outs)
     assert len(agent.waves) >= waves and agent.keeps_rows == (waves == 1)
