@@ -48,7 +48,7 @@ class ModelAgent:
     The decode loop, decode=: "eager" runs the model's forward a token at a time and asks the host which rows
     finished after each (_sample; CPU's default, with merged LoRA and the weight-major layout); "static" runs
     sampler/static.py's step, one CUDA graph a token on a GPU (CUDA's default), with sample_weights "bf16" | "nf4" |
-    "auto" (static.SAMPLE_WEIGHTS_HELP); "auto" picks by device. The same tokens either way
+    "auto" (static.choose_weights); decode "auto" picks by device. The same tokens either way
     (tests/test_static_decode.py)."""
 
     KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak beyond the weights
@@ -68,7 +68,9 @@ class ModelAgent:
 
     def forget(self):
         """Drop the remembered keys/values: rl.py calls it before an update, which would make them stale anyway,
-        so that every rollout's keys/values do not sit in memory beside the update's activations."""
+        so that every rollout's keys/values do not sit in memory beside the update's activations. A static decoder
+        keeps its decode buffer and the graphs that read it: at most the KV budget, which leaves the update its
+        reserve (KV_RESERVE)."""
         self.memo, self.version = [], None
 
     def budget_tokens(self) -> int | None:

@@ -96,12 +96,15 @@ def rows_of(model, tok, cuda, part, check, budget, batches, new):
         for rows, batch in batches.items():
             r = one_round(model, tok, way, batch, new, budget, cuda)
             part["rows"].append(r)
-            print(f"  {way:<11} {rows:>2} rows: {r['tokens']} tokens, decode {r['tok_s']:.0f} tok/s ({r['step_ms']:.1f} ms "
+            print(f"  {way:<11} {rows:>2} rows: {r['tokens']} tokens, decode {r['tok_s']:.0f} tok/s "
+                  f"({r['step_ms']:.1f} ms "
                   f"a step, {r['steps']} steps), round {r['round_tok_s']:.0f} tok/s in {r['seconds']:.2f} s, "
                   f"{r['waves']} wave(s); {r['captures']} CUDA graph(s) captured in {r['capture_s']:.2f} s"
-                  + (f"; peak {r['peak_gib']:.2f} GiB above the weights (budget {r['budget_gib']:.2f})" if cuda else ""),
+                  + (f"; peak {r['peak_gib']:.2f} GiB above the weights (budget {r['budget_gib']:.2f})"
+                     if cuda else ""),
                   flush=True)
-            check(part, f"{way} {rows} rows: every row sampled, log-probs finite and <= 0", r["ok"], f"{r['tokens']} tokens")
+            check(part, f"{way} {rows} rows: every row sampled, log-probs finite and <= 0", r["ok"],
+                  f"{r['tokens']} tokens")
         gc.collect()                                 # the way's agents and decoder go before the next way's
         torch.cuda.empty_cache() if cuda else None
 
@@ -170,7 +173,8 @@ def logprob_mismatch(model, tok, part, check, batch):
         part["logprobs"][way] = dict(tokens=len(deltas), max=max(deltas), mean=sum(deltas) / len(deltas))
         print(f"  log-probs, {way} sampler vs the training forward, {len(deltas)} tokens: max |delta| "
               f"{max(deltas):.3e}, mean {part['logprobs'][way]['mean']:.3e}", flush=True)
-        check(part, f"{way} vs training log-probs: finite", all(math.isfinite(d) for d in deltas), f"max {max(deltas):.2e}")
+        check(part, f"{way} vs training log-probs: finite", all(math.isfinite(d) for d in deltas),
+              f"max {max(deltas):.2e}")
         gc.collect()
 
 

@@ -137,7 +137,7 @@ def test_bf16_copy_is_the_merged_weight_rounded_once_and_samples_as_the_unmerged
 
 
 def recorded_step(model, tk, weights, monkeypatch, T=1.0):
-    """(decoder, the arguments of one real decode step): one round of ModelAgent(decode="static") with _step recorded."""
+    """(decoder, the arguments of one real decode step): a round of ModelAgent(decode="static"), _step recorded."""
     calls = []
     step = StaticDecoder._step
     monkeypatch.setattr(StaticDecoder, "_step", lambda self, views, b, T, eot: calls.append((views, b, T, eot))
