@@ -33,6 +33,7 @@ Sampling weights (sample_weights; the seven projections of each layer, the rest 
   auto  bf16 where the copy, the update's reserve and the KV budget fit the free memory, else nf4 (choose_weights).
 """
 import math
+import sys
 import time
 import weakref
 from typing import Callable, NamedTuple
@@ -304,6 +305,7 @@ class StaticDecoder:
         self.graphs, self.pool = {}, None
         self.new_round = True
         self.captures, self.capture_s = 0, 0.0        # CUDA graphs captured and the seconds it took (the GPU check)
+        self.graph_error = None                        # why a capture failed: the step then runs without graphs
 
     # -- the weights follow the model's
     def _signature(self):
@@ -392,10 +394,18 @@ class StaticDecoder:
     def _step(self, views, b: int, T: float, eot: int):
         kv, prefix = views
         run = lambda: decode_step(self.body, self.proj, kv, prefix, self.state, b, T, eot)   # noqa: E731
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.graph_error:
             return run()
         key = (b, kv[0][0].shape[2], prefix[0][0].shape[1], T, eot)
-        graph = self.graphs.get(key) or self._capture(key, run)
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(key, run)
+            except RuntimeError as e:    # the capture failed: go on without graphs (a failing step raises again)
+                self.graph_error = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"sampler/static.py: capturing the decode step as a CUDA graph failed ({self.graph_error}); "
+                      "decoding without graphs", file=sys.stderr, flush=True)
+                return run()
         graph.replay()
 
     def _capture(self, key, run):

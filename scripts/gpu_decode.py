@@ -77,8 +77,8 @@ def one_round(model, tok, way: str, batch, new: int, budget: int, cuda: bool) ->
     return dict(way=way, rows=len(batch), tokens=tokens, seconds=seconds - capture_s, decode_s=decode_s,
                 steps=clock["steps"], tok_s=tokens / decode_s, round_tok_s=tokens / (seconds - capture_s),
                 step_ms=decode_s / max(clock["steps"], 1) * 1e3, waves=len(agent.waves), captures=captures,
-                capture_s=capture_s, peak_gib=(torch.cuda.max_memory_allocated() - held) / GIB if cuda else None,
-                budget_gib=budget / GIB, ok=all(ids for ids, _ in outs) and all(
+                capture_s=capture_s, graph_error=decoder.graph_error if decoder else None,
+                peak_gib=(torch.cuda.max_memory_allocated() - held) / GIB if cuda else None, budget_gib=budget / GIB, ok=all(ids for ids, _ in outs) and all(
                     math.isfinite(x) and x <= 1e-6 for _, lps in outs for x in lps))
 
 
@@ -105,6 +105,9 @@ def rows_of(model, tok, cuda, part, check, budget, batches, new):
                   flush=True)
             check(part, f"{way} {rows} rows: every row sampled, log-probs finite and <= 0", r["ok"],
                   f"{r['tokens']} tokens")
+            if cuda and way != "eager":
+                check(part, f"{way} {rows} rows: decoded as CUDA graphs", not r["graph_error"],
+                      r["graph_error"] or f"{r['captures']} captured")
         gc.collect()                                 # the way's agents and decoder go before the next way's
         torch.cuda.empty_cache() if cuda else None
 
