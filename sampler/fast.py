@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache
 from rollout import ChatFormat
 from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
                                prefill_new_turns, sampler_scratch, token_batches, token_slice, weight_major_linear)
-from sampler.static import free_memory, static_decoder
+from sampler.static import free_memory, static_decoder, unsupported
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -47,8 +47,8 @@ class ModelAgent:
 
     The decode loop, decode=: "eager" runs the model's forward a token at a time and asks the host which rows
     finished after each (_sample; CPU's default, with merged LoRA and the weight-major layout); "static" runs
-    sampler/static.py's step, one CUDA graph a token on a GPU (CUDA's default), with sample_weights "bf16" | "nf4" |
-    "auto" (static.choose_weights); decode "auto" picks by device. The same tokens either way
+    sampler/static.py's step, one CUDA graph a token on a GPU (CUDA's default, for the Llama and Qwen3 layers it is
+    written for), with sample_weights "bf16" | "nf4" | "auto" (static.choose_weights). The same tokens either way
     (tests/test_static_decode.py)."""
 
     KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak beyond the weights
@@ -60,7 +60,8 @@ class ModelAgent:
         self.merge_lora = merge_lora               # eager: sample with the LoRA delta in the weights (lora_merged)
         if decode not in ("auto", "eager", "static"):
             raise ValueError(f"decode must be 'auto', 'eager' or 'static', got {decode!r}")
-        self.decode = decode if decode != "auto" else "static" if model.device.type == "cuda" else "eager"
+        self.decode = decode if decode != "auto" else \
+            "static" if model.device.type == "cuda" and not unsupported(model) else "eager"
         self.sample_weights, self.static = sample_weights, None     # static: its StaticDecoder, from the first act()
         self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]

@@ -260,6 +260,18 @@ def decode_step(body: Body, proj: list[Projections], kv, prefix, st: StepState, 
 
 # ----------------------------------------------------------------------------- the decoder
 
+def unsupported(model) -> str | None:
+    """Why the static step cannot decode this model (None: it can): it is written for Llama and Qwen3 layers, with
+    the rotary embedding of a fixed table (a dynamic one would read the positions back) and no sliding window."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if config.model_type not in ("llama", "qwen3"):
+        return f"the static decode step is written for Llama and Qwen3, not {config.model_type}"
+    if rope.get("rope_type") in ("dynamic", "longrope") or getattr(config, "use_sliding_window", False):
+        return "the static decode step has no dynamic rotary scaling or sliding window"
+    return None
+
+
 _decoders = weakref.WeakKeyDictionary()          # model -> its StaticDecoder: one copy and one buffer, however many
                                                  # agents
 
@@ -284,14 +296,9 @@ class StaticDecoder:
     weights: "bf16" | "nf4" (see the module's docstring)."""
 
     def __init__(self, model, weights: str):
+        if unsupported(model):
+            raise NotImplementedError(f"{unsupported(model)}: use ModelAgent(decode='eager')")
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        config = lm.config
-        if config.model_type not in ("llama", "qwen3"):
-            raise NotImplementedError(f"the static decode step is written for Llama and Qwen3, not "
-                                      f"{config.model_type}: use ModelAgent(decode='eager')")
-        rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-        if rope.get("rope_type") in ("dynamic", "longrope") or getattr(config, "use_sliding_window", False):
-            raise NotImplementedError("the static decode step has no dynamic rotary scaling or sliding window")
         self.weights, self.device = weights, model.device
         self.body = Body(lm.model.embed_tokens, lm.model.rotary_emb, lm.model.layers, lm.model.norm, lm.lm_head)
         dtype = lm.get_input_embeddings().weight.dtype

@@ -209,3 +209,16 @@ def test_the_decode_step_asks_the_host_nothing(qwen3, qwen3_tok, monkeypatch, we
     with torch.no_grad(), NoHostSync():
         decode_step(*args)
     assert decoder.state.t == t + 1                   # it ran: one more token sampled
+
+
+def test_the_step_decodes_the_layers_it_is_written_for_and_says_so_for_others(tiny_lora, qwen3):
+    """ModelAgent's decode="auto" takes the static step on CUDA only for Llama and Qwen3 (unsupported(model) is None);
+    asked for another architecture, the decoder names the way out."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from sampler.static import unsupported
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0))
+    assert unsupported(tiny_lora) is None and unsupported(qwen3) is None
+    assert "not gpt2" in unsupported(gpt2)
+    with pytest.raises(NotImplementedError, match="decode='eager'"):
+        StaticDecoder(gpt2, "nf4")
