@@ -348,9 +348,9 @@ def part_sampler(args, ctx, part):
         r = dict(rows=rows, waves=len(agent.waves), keeps_rows=agent.keeps_rows, tokens=tokens, seconds=dt,
                  tok_s=tokens / dt, peak_above_weights_gib=peak, graphs_so_far=graphs)
         part["rows"].append(r)
-        print(f"  {rows:>3} rows: {len(agent.waves)} wave(s){' (rows kept)' if agent.keeps_rows else ''}, {tokens} "
-              "tokens "
-              f"in {dt:.2f} s = {tokens / dt:.0f} tok/s" + (f", peak {peak:.2f} GiB above the weights" if cuda else "")
+        print(f"  {rows:>3} rows: {len(agent.waves)} wave(s){' (rows kept)' if agent.keeps_rows else ''}, "
+              f"{tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s"
+              + (f", peak {peak:.2f} GiB above the weights (and bf16's copy)" if cuda else "")
               + f"; CUDA graphs captured so far {graphs[0]} in {graphs[1]:.1f} s", flush=True)
         lps = [lp for _, lps in outs for lp in lps]
         check(part, f"{rows} rows: every row sampled, log-probs finite and <= 0",
