@@ -119,6 +119,10 @@ def add_model_args(p: Parser, model_default=None, sampler=True):
     g.add_argument("--kv-budget", type=float, default=0.0, help="GiB of keys/values the fast sampler may hold; it "
                    "decodes in waves that fit (0 = auto: free GPU memory minus the training step's reserve; CPU: no "
                    "limit)")
+    g.add_argument("--sample-weights", default="auto", choices=["auto", "bf16", "nf4"], help="the GPU decode step's "
+                   "weights: bf16, a copy of the base with the LoRA delta merged, refreshed after an optimizer step "
+                   "(12.9 GiB for Qwen3-8B); nf4, bitsandbytes' layers with LoRA unmerged (24 GB cards); auto: bf16 "
+                   "when copy + the update's 6 GiB + the KV budget fit the free memory (docs/gpu.md); CPU: unused")
 
 
 def add_user_args(p: Parser, default="scripted", several=False):

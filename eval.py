@@ -217,7 +217,7 @@ def build_agent(spec: str, args):
         model = rollout.load_adapter(model, adapter)
     model.eval()
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
-                               args.thinking)
+                               args.thinking, args.sample_weights)
     return agent, tok, spec
 
 

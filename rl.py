@@ -133,9 +133,8 @@ def parse_args(argv=None):
     for u in args.eval_users.split(","):
         if error := users.check_user(u):
             common.fail("--eval-users", error)
-    if args.user == "oracle":
-        common.fail("--user", "oracle is the gold user of the oracle agent (sft.py, tests); RL needs scripted, none, "
-                    "local or openai:MODEL")
+    if args.user == "oracle":                     # the gold agent's own user (sft.py, tests)
+        common.fail("--user", "oracle plays only the gold agent's user; RL needs scripted, none, local or openai:MODEL")
     return args
 
 
@@ -220,7 +219,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, at_start=False):
     if fast := args.logprob_pass == "fast":
         micro = common.cut_shared_prefix(micro) if args.grad_checkpointing == "off" else micro
     logprobs = common.shared_prefix_logprobs if fast else plain_logprobs
-    every, per = range(len(micro)), math.ceil(len(micro) / args.mini_batches)    # micro-batches; of them an AdamW step
+    every, per = range(len(micro)), math.ceil(len(micro) / args.mini_batches)    # an AdamW step takes `per` of them
     bf16 = torch.autocast(model.device.type, torch.bfloat16, enabled=args.train_bf16 == "on")
     with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
         pi_old = [lp for _, lp in logprobs(model, micro, every, args.temperature)]
@@ -306,7 +305,7 @@ def main(argv=None):
     heldout = [t for d in domains for t in    # the curve's: held-out tasks past those eval.py's CPU preset reports
                envs.make_tasks(d, "test", args.eval_skip + args.eval_tasks, tiers, args.seed)[args.eval_skip:]]
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
-                               args.thinking)
+                               args.thinking, args.sample_weights)
     make_user = common.user_factory(args, model, tok)   # builds each conversation's simulated user
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
         log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args)))
@@ -338,7 +337,8 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
     """pass^1 of the greedy policy on the fixed held-out tasks under each of --eval-users (all in one batch), and its
     seconds; heldout_pass1 is the first user's, the training user's."""
     t0, specs = time.time(), args.eval_users.split(",")
-    agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking)
+    agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking,
+                               args.sample_weights)
     model.eval()
     trajs = rollout.run_episodes(agent, tok, tasks * len(specs), max_turns=args.max_turns, seed=args.seed,
                                  user=[common.user_factory(args, model, tok, u) for u in specs for _ in tasks],

@@ -216,7 +216,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     tasks = envs.make_tasks(args.domain, args.split, args.tasks, args.tiers and args.tiers.split(","), seed=args.seed)
     agent = ModelAgent(model, tok, args.temperature, args.max_new_tokens, int(args.kv_budget * 2**30) or None,
-                       args.thinking) if args.sampler == "fast" else \
+                       args.thinking, sample_weights=args.sample_weights) if args.sampler == "fast" else \
         PlainAgent(model, tok, args.temperature, args.max_new_tokens, args.thinking)
     t0 = time.time()
     trajs = run_episodes(agent, tok, tasks, args.group_size, common.user_factory(args, model, tok), args.max_turns,
