@@ -24,10 +24,10 @@ PROMISES = {
     "`--sampler plain` runs it": ("test_rl.py", "test_the_plain_sampler_runs_rl_and_eval_with_the_fast_ones_tokens"),
     "resume from their newest good checkpoint when rerun after a kill": (
         "test_rl.py", "test_sigkill_then_restart_resumes_from_last_checkpoint"),
-    "a damaged one is skipped with one line": ("test_rl.py", "test_a_damaged_newest_checkpoint_falls_back_to_the_one_before"),
+    "damaged one is skipped with one line": ("test_rl.py", "test_a_damaged_newest_checkpoint_falls_back_to_the_one_before"),
     "A bad flag is one line and exit status 2 before any model loads": (
         "test_validation.py", "test_each_bad_flag_is_one_line_naming_it_and_exit_2"),
-    "Every flag's default in use is in `--help`": ("test_validation.py", "test_help_shows_the_presets_numbers"),
+    "`--help` shows every default in use": ("test_validation.py", "test_help_shows_the_presets_numbers"),
     "fails on any\nimport circle, lazy imports included": (
         "test_layout.py", "test_no_module_imports_another_in_a_circle_lazy_imports_included"),
     "`tests/test_layout.py` holds it to this": ("test_layout.py", "test_the_top_level_is_the_design_cards"),

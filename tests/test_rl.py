@@ -697,10 +697,11 @@ def test_every_results_table_command_trains_into_its_own_folder(tmp_path, tiny_m
     cmds = results_table_commands()
     assert len(cmds) == 6 and cmds[:2] == ["python sft.py", "python rl.py"], cmds
 
-    def run(cmd):
+    def run(cmd):                                        # rl.py: one step and no curve, enough to see it train
         script, *flags = cmd.split()[1:]
-        return flags, subprocess.run([sys.executable, os.path.join(REPO, script), *flags, "--smoke", "--model", tiny],
-                                     cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        quick = ["--steps", "1", "--eval-every", "0"] if script == "rl.py" else []
+        return flags, subprocess.run([sys.executable, os.path.join(REPO, script), *flags, "--smoke", "--model", tiny,
+                                      *quick], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     for cmd in cmds:
         flags, r = run(cmd)
         assert r.returncode == 0, cmd + "\n" + r.stdout[-2000:] + r.stderr[-2000:]
