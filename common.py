@@ -174,12 +174,14 @@ def check_args(args, at_least=None, finite=None, several_users=False, training=F
     --user's conversations (no held-out persona)."""
     import users
     import envs
-    for name, low in (at_least or {}).items():
-        v = getattr(args, name)
+    at_least = {"user_retries_on_check": 0, **(at_least or {})}       # the user flags, where a stage has them
+    finite = {"max_sim_failures": (0, False), **(finite or {})}
+    for name, low in at_least.items():
+        v = getattr(args, name, None)
         if v is not None and v < low:
             fail(f"--{name.replace('_', '-')}", f"{v} is below {low}; use {low} or more")
-    for name, (low, strict) in (finite or {}).items():
-        v = getattr(args, name)
+    for name, (low, strict) in finite.items():
+        v = getattr(args, name, None)
         if v is not None and (not math.isfinite(v) or v < low or (strict and v == low)):
             fail(f"--{name.replace('_', '-')}", f"{v} is not a finite number {'>' if strict else '>='} {low}")
     if getattr(args, "domains", None) is not None:

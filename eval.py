@@ -117,7 +117,7 @@ def parse_args(argv=None):
     args = common.parse_with_preset(p, PRESETS, argv)
     common.check_args(args, at_least=dict(n_tasks=1, trials=1, max_turns=1, max_new_tokens=1, max_context=2,
                                           recheck=0, n_boot=1, user_workers=1),
-                      finite=dict(temperature=(0, False), max_sim_failures=(0, False)), several_users=True)
+                      finite=dict(temperature=(0, False)), several_users=True)
     for m in args.paired_metric.split(","):
         if m not in METRICS:
             common.fail("--paired-metric", f"unknown metric {m!r}; use a comma list of {', '.join(METRICS)}")

@@ -121,7 +121,7 @@ def parse_args(argv=None):
                                           ckpt_every=1, eval_every=0, eval_tasks=1, eval_skip=0, lora_r=1,
                                           user_workers=1),
                       finite=dict(lr=(0, True), kl_coef=(0, False), clip=(0, True), temperature=(0, True),
-                                  max_grad_norm=(0, True), weight_decay=(0, False), max_sim_failures=(0, False)),
+                                  max_grad_norm=(0, True), weight_decay=(0, False)),
                       training=True)
     if not 0 <= args.screen < args.group_size:
         common.fail("--screen", f"{args.screen}: 0 (off) or fewer rollouts than --group-size {args.group_size}")
