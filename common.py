@@ -282,7 +282,13 @@ class Tracker:
             self.run.log(numbers, step=m["step"])
 
     def close(self):
-        (self.run.close if self.kind == "tensorboard" else self.run.finish)()
+        """Flush and close; for W&B also wait for its service to write the run file (finish() returns before)."""
+        if self.kind == "tensorboard":
+            self.run.close()
+        else:
+            import wandb
+            self.run.finish()
+            wandb.teardown()
 
 
 def tracker(args) -> Tracker | None:
