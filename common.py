@@ -143,8 +143,11 @@ def add_user_args(p: Parser, default="scripted", several=False):
     g.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this share of a draw's "
                    "(rl.py) or an evaluation's rollouts were left out: their user simulator failed or broke the check, "
                    "or their env failed (they are never trained on nor scored)")
-    p.group("performance").add_argument("--user-workers", type=int, default=256, help="LLM users asked at once "
-                                        "(each round's replies; 256 = a paper-sized round all in flight)")
+    g = p.group("performance")
+    g.add_argument("--user-workers", type=int, default=256, help="LLM users asked at once (each round's replies; 256 "
+                   "= a paper-sized round all in flight; 1 for a server that answers one at a time)")
+    g.add_argument("--user-timeout", type=float, default=60.0, help="seconds an LLM user's request may take before "
+                   "the client sends it again (a slow local server needs more)")
 
 
 def price(text: str) -> list[float]:
@@ -175,7 +178,7 @@ def check_args(args, at_least=None, finite=None, several_users=False, training=F
     import users
     import envs
     at_least = {"user_retries_on_check": 0, **(at_least or {})}       # the user flags, where a stage has them
-    finite = {"max_sim_failures": (0, False), **(finite or {})}
+    finite = {"max_sim_failures": (0, False), "user_timeout": (0, True), **(finite or {})}
     for name, low in at_least.items():
         v = getattr(args, name, None)
         if v is not None and v < low:
@@ -240,8 +243,8 @@ def user_factory(args, model=None, tokenizer=None, spec=None):
     import envs
     spec = spec or args.user
     check = {"check_retries": args.user_retries_on_check if args.user_check == "on" else None}
-    settings = {"base_url": args.user_base_url, **check} if spec.startswith("openai:") else \
-        {"model": model, "tokenizer": tokenizer, **check} if spec == "local" else {}
+    settings = {"base_url": args.user_base_url, "timeout": args.user_timeout, **check} if spec.startswith("openai:") \
+        else {"model": model, "tokenizer": tokenizer, **check} if spec == "local" else {}
     return envs.UserFactory(spec, settings)
 
 

@@ -49,7 +49,7 @@ PRESETS = {
                   tiers="easy", user="scripted", ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off"),
 }
 TASK_POOL = 1000     # train tasks generated per domain to draw from
-RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budget", "max_sim_failures"}
+RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budget", "max_sim_failures", "user_timeout"}
 
 
 def add_grpo_args(p: common.Parser):

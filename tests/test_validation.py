@@ -52,6 +52,7 @@ CASES = [   # script, bad flags, the flag the line must name
     ("eval.py", ["--user-price", "1,-2"], "--user-price"),
     ("eval.py", ["--max-sim-failures", "-0.5"], "--max-sim-failures"),
     ("eval.py", ["--user-check", "maybe"], "--user-check"),
+    ("eval.py", ["--user-timeout", "0"], "--user-timeout"),
     ("sft.py", ["--domains", "retail,nope"], "--domains"),
     ("sft.py", ["--lr", "0"], "--lr"),
     ("sft.py", ["--batch-size", "3", "--micro-batch-size", "2"], "--batch-size"),
