@@ -501,8 +501,7 @@ class OpenAIUser(LLMUser):
         return (self._request(chat, **sampling).content or "").strip()
 
     def _request(self, chat: list[dict], tools: list[dict] | None = None, **sampling):
-        """One chat completion -> its message (with text, or tool calls when tools are given). sampling: what to send
-        instead of the user's own temperature (and a seed)."""
+        """One chat completion -> its message (text, or tool calls when tools are given); sampling: instead of ours."""
         import openai
         first, no_message = self.usage["requests"], (ValueError, openai.APIResponseValidationError)
         while True:
@@ -567,8 +566,9 @@ AGAIN_TEMPERATURE = 0.7   # a re-ask's temperature (seeded by its attempt): at t
 _SYNTAX = re.compile(r"<\|[^|>]*\|>|</?(tool_call|tool_response|tools|think)>|\[/?INST]|\"arguments\"\s*:|"
                      r"^\W*(system|assistant|user|agent|customer|human|ai|bot)\s*:", re.I | re.M)
 _AGENT_SAYS = re.compile("|".join((   # the agent's words: offering help, asking leave, asking for "your" facts, acting
-    r"\bhow (can|may) i (help|assist)", r"\banything else (i|we) can\b", r"\b(would you like|do you want) me to\b",
-    r"\bshall i\b", r"\bas an ai\b", r"\b(language model|virtual assistant)\b",
+    r"\bhow (can|may) i (help|assist)", r"\bwhat can i do for you", r"\b(happy|glad) to (help|assist)\b",
+    r"\banything else (i|we) can\b", r"\b(would you like|do you want) me to\b", r"\bshall i\b", r"\bas an ai\b",
+    r"\bi('m| am) (\w+,? ){0,2}(a|an|your) (\w+[- ]){0,2}(agent|representative|assistant)\b|\blanguage model\b",
     r"\byour (email|user id|order (id|number)|reservation (id|number)|zip|payment method|date of birth)\b",
     r"\bi('ve| have) (successfully )?(cancell?ed|updated|changed|processed|booked|added|modified) (your|the)\b")), re.I)
 _VALUE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\$ ?\d[\d,]*(?:\.\d+)?|\b\d+\.\d\d\b|[#\w-]*\d[#\w-]*")
