@@ -92,14 +92,17 @@ def fail(flag: str, message: str):
     raise SystemExit(2)
 
 
-def add_run_args(p: Parser, out: str, smoke: str):
-    """--seed, --out, --smoke and --preset: how every stage is started."""
+def add_run_args(p: Parser, out: str, smoke: str, tracker: bool = False):
+    """--seed, --out, --smoke and --preset: how every stage is started; with tracker (rl.py) --report-to."""
     g = p.group("run")
     g.add_argument("--seed", type=int, default=0, help="seed for tasks, users and sampling")
     g.add_argument("--out", default=out, help="everything this run writes goes here")
     g.add_argument("--smoke", action="store_true", help=smoke)
     g.add_argument("--preset", default="auto", choices=["auto", "cpu", "gpu"], help="the sizes of every flag not "
                    "given (the stage's PRESETS): auto = gpu with CUDA, else cpu; --smoke overrides")
+    if tracker:
+        g.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"], help="also send each "
+                       "step's numbers to this tracker, under --out (optional packages: requirements.txt)")
 
 
 def add_model_args(p: Parser, model_default=None, sampler=True):
@@ -133,8 +136,33 @@ def add_user_args(p: Parser, default="scripted", several=False):
                    "each" * several))
     g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
-    p.group("performance").add_argument("--user-workers", type=int, default=256, help="LLM users asked at once "
-                                        "(each round's replies; 256 = a paper-sized round all in flight)")
+    g.add_argument("--user-check", default="on", choices=["on", "off"], help="check each message of an LLM user of "
+                   "our domains (users.check_turn: a stop before the needed write, a fact the task does not hold, the "
+                   "agent's voice, nothing); off: take every message as it comes")
+    g.add_argument("--user-retries-on-check", type=int, default=2, help="times a message the check flags is asked "
+                   "again (a correction line, a seeded higher temperature); then the episode is left out")
+    g = p.group("run")
+    g.add_argument("--user-price", type=price, default="0,0", metavar="IN,OUT", help="USD per million prompt "
+                   "and completion tokens of the user simulator, for the dollars reported (0,0: a local server)")
+    g.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this share of a draw's "
+                   "(rl.py) or an evaluation's rollouts were left out: their user simulator failed or broke the check, "
+                   "or their env failed (they are never trained on nor scored)")
+    g = p.group("performance")
+    g.add_argument("--user-workers", type=int, default=256, help="LLM users asked at once (each round's replies; 256 "
+                   "= a paper-sized round all in flight; 1 for a server that answers one at a time)")
+    g.add_argument("--user-timeout", type=float, default=60.0, help="seconds an LLM user's request may take before "
+                   "the client sends it again (a slow local server needs more)")
+
+
+def price(text: str) -> list[float]:
+    """--user-price "IN,OUT" -> [IN, OUT], two finite numbers >= 0 (a list: args.json keeps it as one)."""
+    try:
+        pair = [float(x) for x in text.split(",")]
+    except ValueError:
+        pair = []
+    if len(pair) != 2 or not all(math.isfinite(x) and x >= 0 for x in pair):
+        raise argparse.ArgumentTypeError(f"{text!r} is not IN,OUT: two numbers >= 0 (USD per million tokens)")
+    return pair
 
 
 def add_episode_args(p: Parser, tokens: bool = True):
@@ -153,12 +181,14 @@ def check_args(args, at_least=None, finite=None, several_users=False, training=F
     --user's conversations (no held-out persona)."""
     import users
     import envs
-    for name, low in (at_least or {}).items():
-        v = getattr(args, name)
+    at_least = {"user_retries_on_check": 0, **(at_least or {})}       # the user flags, where a stage has them
+    finite = {"max_sim_failures": (0, False), "user_timeout": (0, True), **(finite or {})}
+    for name, low in at_least.items():
+        v = getattr(args, name, None)
         if v is not None and v < low:
             fail(f"--{name.replace('_', '-')}", f"{v} is below {low}; use {low} or more")
-    for name, (low, strict) in (finite or {}).items():
-        v = getattr(args, name)
+    for name, (low, strict) in finite.items():
+        v = getattr(args, name, None)
         if v is not None and (not math.isfinite(v) or v < low or (strict and v == low)):
             fail(f"--{name.replace('_', '-')}", f"{v} is not a finite number {'>' if strict else '>='} {low}")
     if getattr(args, "domains", None) is not None:
@@ -216,16 +246,72 @@ def user_factory(args, model=None, tokenizer=None, spec=None):
     what that kind needs, the server of an openai: user or the model of a local one."""
     import envs
     spec = spec or args.user
-    settings = {"base_url": args.user_base_url} if spec.startswith("openai:") else \
-        {"model": model, "tokenizer": tokenizer} if spec == "local" else {}
+    check = {"check_retries": args.user_retries_on_check if args.user_check == "on" else None}
+    settings = {"base_url": args.user_base_url, "timeout": args.user_timeout, **check} if spec.startswith("openai:") \
+        else {"model": model, "tokenizer": tokenizer, **check} if spec == "local" else {}
     return envs.UserFactory(spec, settings)
 
 
-def log_metrics(out: str, metrics: list, m: dict):
-    """A step's numbers: appended to metrics and, as a line, to <out>/metrics.jsonl."""
+def log_metrics(out: str, metrics: list, m: dict, tracker=None):
+    """A step's numbers: appended to metrics and, as a line, to <out>/metrics.jsonl (and to the tracker, if one)."""
     metrics.append(m)
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(m) + "\n")
+    if tracker is not None:
+        tracker.log(m)
+
+
+class Tracker:
+    """--report-to: a step's numbers also go to TensorBoard (event files under <out>/tensorboard) or to Weights &
+    Biases (a run under <out>/wandb; WANDB_MODE=offline keeps it on disk), each number under its metrics.jsonl key
+    ("user_flags/early_stop" for a nested one). Both packages are optional: imported only when asked for."""
+
+    def __init__(self, kind: str, out: str, config: dict):
+        self.kind = kind
+        try:
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+                self.run = SummaryWriter(os.path.join(out, "tensorboard"))
+            else:
+                import wandb
+                self.run = wandb.init(project="mua-rl", dir=out, config=config,
+                                      name=os.path.basename(os.path.abspath(out)))
+        except ImportError as e:
+            raise SystemExit(f"--report-to {kind}: {e.name} is not installed; pip install the version requirements.txt "
+                             "pins")
+
+    def log(self, m: dict):
+        numbers = flat_numbers(m)
+        if self.kind == "tensorboard":
+            for k, v in numbers.items():
+                self.run.add_scalar(k, v, m["step"])
+        else:
+            self.run.log(numbers, step=m["step"])
+
+    def close(self):
+        """Flush and close; for W&B also wait for its service to write the run file (finish() returns before)."""
+        if self.kind == "tensorboard":
+            self.run.close()
+        else:
+            import wandb
+            self.run.finish()
+            wandb.teardown()
+
+
+def tracker(args) -> Tracker | None:
+    """The run's --report-to tracker, None for none."""
+    return None if args.report_to == "none" else Tracker(args.report_to, args.out, vars(args))
+
+
+def flat_numbers(m: dict, prefix: str = "") -> dict:
+    """The numbers of a metrics line, nested dicts flattened ("user_flags/early_stop"); None and text left out."""
+    out = {}
+    for k, v in m.items():
+        if isinstance(v, dict):
+            out |= flat_numbers(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[prefix + k] = v
+    return out
 
 
 def plot_panels(path: str, panels: list, dpi: int = 90):

@@ -225,9 +225,12 @@ def build_agent(spec: str, args):
 
 def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: int = 0,
              max_turns: int = 8, max_context: int = 3072, recheck: int = 0, n_boot: int = 1000, progress: bool = True,
-             user_workers: int = 256) -> dict:
+             user_workers: int = 256, price=(0.0, 0.0), max_sim_failures: float = 1.0) -> dict:
     """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each, with the
-    user each conversation gets from `user` (an envs.UserFactory, or a bare --user spec).
+    user each conversation gets from `user` (an envs.UserFactory, or a bare --user spec). A task with a trial whose
+    user simulator failed or broke the check (or whose env failed) leaves pass^k; more than max_sim_failures of the
+    episodes left out stops the evaluation with one line. "users": what the users did and cost (rollout.user_report,
+    dollars at price), the re-runs of the failure analysis included.
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
     {task_id: [r, ...]}, "failures" (one record per failed episode, DB diff included), "episodes" (every
@@ -239,6 +242,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: in
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, user_workers=user_workers)
     every = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
+    rollout.stop_if_many_left_out(every, max_sim_failures, "evaluation")
     lost = {tr.task_id for tr in every if tr.failed}  # a failed simulator is no evidence about the agent: such a
     trajs = [tr for tr in every if tr.task_id not in lost]   # task leaves pass^k (its trials pair up no more)
     rewards = {}
@@ -257,8 +261,8 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: in
     # Failure analysis: re-run failed tasks once with a different user seed. A task that then succeeds
     # failed (at least partly) because of the user simulator, not the agent.
     failed = [t for t in tasks if min(rewards[t.id]) < 1.0][:recheck]
-    rerun = [tr for tr in rollout.run_episodes(agent, tokenizer, failed, group_size=1, seed=seed + 7919, **run)
-             if not tr.failed] if failed else []
+    reran = rollout.run_episodes(agent, tokenizer, failed, group_size=1, seed=seed + 7919, **run) if failed else []
+    rerun = [tr for tr in reran if not tr.failed]
     rescued = {tr.task_id for tr in rerun if tr.reward >= 1.0}
     for f in failures:
         f["rechecked"] = any(t.id == f["task_id"] for t in failed)
@@ -289,6 +293,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: in
             "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
             "metrics": {m: dict(v) for m, v in values.items()}, "seconds": time.time() - t0,
+            "users": rollout.user_report(every + reran, time.time() - t0, price),
             "behaviour": behaviour(values, {t.id: t.domain for t in tasks})}
 
 
@@ -434,6 +439,7 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
                 f" ({c['turns']} turns)"]
         row += [f"{tau['user_sim_suspects']} of {tau['rechecked']} rechecked" if tau["rechecked"] else "-"]
         lines.append(f"| {a} | " + " | ".join(row) + " |")
+    lines += users_table(results)
     lines += ["", "What the agents did (docs/reference.md, Metrics): each metric's mean over the episodes it applies to, with "
               "their number where it is not every episode's.", "",
               "| agent | domain | episodes | " + " | ".join(METRICS.values()) + " |", "|---" * (len(METRICS) + 3) + "|"]
@@ -462,6 +468,22 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
         lines.append(f"| {s} | {summary['n_tasks']} | " +
                      " | ".join(f"{results[a]['tau']['per_scenario'][s]['pass^k'][1]:.3f}" for a in agents) + " |")
     return "\n".join(lines) + "\n"
+
+
+def users_table(results: dict) -> list[str]:
+    """The users of each agent's evaluation (rollout.user_report), a row each: [] when none was reported."""
+    rows = {a: r["tau"]["users"] for a, r in results.items() if "users" in r["tau"]}
+    counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"   # noqa: E731
+    share = lambda u: "" if u["user_wait_share"] is None else f" ({u['user_wait_share']:.0%})"   # noqa: E731
+    return ["", "What the simulated users did and cost: requests sent (of them, the client's retries and the check's "
+            "re-asks), tokens, dollars at --user-price, seconds waited on them (their share of the evaluation's); the "
+            "messages the check flagged, and the episodes left out of pass^k (their user broke the check or failed), "
+            "per reason (docs/reference.md, The check on the LLM user).", "",
+            "| agent | requests (retried, asked again) | prompt + completion tokens | $ | waited | flagged by the check "
+            "| left out |", "|---|---|---|---|---|---|---|"] + [
+        f"| {a} | {u['user_requests']} ({u['user_retries']}, {u['user_asked_again']}) | {u['user_prompt_tokens']} + "
+        f"{u['user_completion_tokens']} | {u['user_dollars']:.2f} | {u['user_wait_s']:.0f} s{share(u)} | "
+        f"{counts(u['user_flags'])} | {counts(u['left_out'])} |" for a, u in rows.items()] if rows else []
 
 
 def paper_tables(results: dict) -> str:
@@ -594,7 +616,8 @@ def main(argv=None):
                                                     if user == "local" else ()), spec=user)   # the base model plays it
             print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {user}")
             tau = evaluate(agent, tok, tasks, args.trials, make_user, args.seed, args.max_turns, args.max_context,
-                           recheck=args.recheck, n_boot=args.n_boot, user_workers=args.user_workers)
+                           recheck=args.recheck, n_boot=args.n_boot, user_workers=args.user_workers,
+                           price=args.user_price, max_sim_failures=args.max_sim_failures)
             results[label] = {"tau": tau, "user": user}
             with open(out_file(args, "failures_", label, ".jsonl"), "w") as f:
                 for rec in tau["failures"]:
@@ -606,7 +629,7 @@ def main(argv=None):
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +
                   f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
                   f"  simulator failures {tau['sim_failures']} ({tau['tasks_lost']} tasks left out)  stops {tau['stop_reasons']}"
-                  f"  {tau['seconds']:.0f}s")
+                  f"  {tau['seconds']:.0f}s  {rollout.user_line(tau['users'])}")
         del agent
     if not results:
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")

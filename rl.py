@@ -49,7 +49,7 @@ PRESETS = {
                   tiers="easy", user="scripted", ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off"),
 }
 TASK_POOL = 1000     # train tasks generated per domain to draw from
-RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budget", "max_sim_failures"}
+RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budget", "max_sim_failures", "user_timeout"}
 
 
 def add_grpo_args(p: common.Parser):
@@ -85,7 +85,7 @@ def add_grpo_args(p: common.Parser):
 
 def parse_args(argv=None):
     p = common.Parser(description=__doc__.split("\n")[0])
-    common.add_run_args(p, out="runs/rl", smoke="2 tiny steps (tests)")
+    common.add_run_args(p, out="runs/rl", smoke="2 tiny steps (tests)", tracker=True)
     common.add_model_args(p)
     common.add_user_args(p, default=None)
     add_grpo_args(p)
@@ -107,8 +107,6 @@ def parse_args(argv=None):
     g.add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the update under bf16 "
                    "autocast (weights, AdamW, log-softmax fp32); auto: on for a CPU with AVX512-BF16 or AMX only")
     g = p.group("run")
-    g.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this share of a "
-                   "draw's rollouts lost their user simulator or env (they are never trained on)")
     g.add_argument("--ckpt-every", type=int, help="checkpoint every N steps")
     g.add_argument("--eval-every", type=int, help="held-out pass^1 every N steps, and before step 1 (0 = never)")
     g.add_argument("--eval-tasks", type=int, help="held-out tasks per domain for that curve")
@@ -123,7 +121,7 @@ def parse_args(argv=None):
                                           ckpt_every=1, eval_every=0, eval_tasks=1, eval_skip=0, lora_r=1,
                                           user_workers=1),
                       finite=dict(lr=(0, True), kl_coef=(0, False), clip=(0, True), temperature=(0, True),
-                                  max_grad_norm=(0, True), weight_decay=(0, False), max_sim_failures=(0, False)),
+                                  max_grad_norm=(0, True), weight_decay=(0, False)),
                       training=True)
     if not 0 <= args.screen < args.group_size:
         common.fail("--screen", f"{args.screen}: 0 (off) or fewer rollouts than --group-size {args.group_size}")
@@ -142,25 +140,23 @@ def parse_args(argv=None):
 
 def sample_groups(agent, tok, pools, step, args, make_user):
     """Draws of --draw tasks x G conversations until --tasks groups have reward variance, or --max-draws. A rollout
-    whose user simulator or env failed is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
+    whose user simulator failed or broke the check, or whose env failed, is left out (its 0 is not the agent's).
+    -> (drawn, kept groups, the rollouts left out)."""
     rng = random.Random(args.seed * 1_000_003 + step)      # its own: a resumed run redraws the same tasks
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]   # the domains alternate
-    drawn, varied, lost = [], [], 0
+    drawn, varied, left = [], [], []
     for d in range(args.max_draws):
         tasks = order[d * args.draw:(d + 1) * args.draw]
         groups = (screened if args.screen else sample_draw)(agent, tok, tasks, step, d, args, make_user)
-        failed, n = [t for g in groups for t in g if t.failed], sum(map(len, groups))
-        if len(failed) > args.max_sim_failures * n:
-            raise SystemExit(f"step {step + 1}: {len(failed)} of {n} rollouts lost their simulator, more than "
-                             f"--max-sim-failures {args.max_sim_failures}: {failed[0].stats.get('error')}")
-        lost += len(failed)
+        rollout.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
+        left += [t for g in groups for t in g if t.failed]
         groups = [[t for t in g if not t.failed] for g in groups]
         drawn += groups
         varied += [g for g in groups if has_signal(g)]
         if len(varied) >= args.tasks:
             break
-    return drawn, varied[:args.tasks], lost
+    return drawn, varied[:args.tasks], left
 
 
 def sample_draw(agent, tok, tasks, step, d, args, make_user, trials=None) -> list[list]:
@@ -306,13 +302,13 @@ def main(argv=None):
                envs.make_tasks(d, "test", args.eval_skip + args.eval_tasks, tiers, args.seed)[args.eval_skip:]]
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
                                args.thinking, args.sample_weights)
-    make_user = common.user_factory(args, model, tok)   # builds each conversation's simulated user
+    make_user, tracker = common.user_factory(args, model, tok), common.tracker(args)   # users; --report-to
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
-        log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args)))
+        log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args)), tracker)
     for step in range(start, args.steps):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
-        drawn, kept, lost = sample_groups(agent, tok, pools, step, args, make_user)
+        drawn, kept, left = sample_groups(agent, tok, pools, step, args, make_user)
         agent.forget()                            # its keys/values go stale with the update: not kept beside it
         t_roll, st, adv = time.time() - t0, None, None
         if kept:                                  # 3. advantages within each kept group
@@ -320,13 +316,15 @@ def main(argv=None):
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
                              at_start=not optimizer.state)
-        m = step_metrics(step, drawn, kept, lost, st, dict(rollout_s=None if args.rollouts else t_roll,
-                                                           train_s=time.time() - t0 - t_roll))
+        m = step_metrics(step, drawn, kept, left, st, dict(rollout_s=None if args.rollouts else t_roll,
+                                                           train_s=time.time() - t0 - t_roll), args.user_price)
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args))
-        log(args, metrics, m | dict(s_per_step=time.time() - t0))
+        log(args, metrics, m | dict(s_per_step=time.time() - t0), tracker)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
             common.save_checkpoint(args.out, step + 1, model, optimizer, metrics)
+    if tracker:
+        tracker.close()
     model.save_pretrained(os.path.join(args.out, "adapter"), selected_adapters=["default"])
     plot(metrics, os.path.join(args.out, "rl.png"), args.temperature)
     print(f"adapter -> {os.path.join(args.out, 'adapter')}")
@@ -350,9 +348,10 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
 
 # ---------------------------------------------------------------- output: the log line, metrics.jsonl, the plot
 
-def step_metrics(step, drawn, kept, lost, st, seconds) -> dict:
-    """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (st: the
-    update's sums, None when no group was kept). Entropy is the mean -log p of the sampled tokens."""
+def step_metrics(step, drawn, kept, left, st, seconds, price) -> dict:
+    """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (st: the update's
+    sums, None when no group was kept), and what its users did and cost (rollout.user_report; their waiting's share
+    of the step's sampling and update time). Entropy is the mean -log p of the sampled tokens."""
     every = [t for g in drawn for t in g]
     rewards, sampled = torch.tensor([t.reward for t in every]), sum(sum(t.loss_mask) for t in every)
     per = lambda k: st[k] / max(st["tokens"], 1) if st else None                  # noqa: E731
@@ -363,19 +362,21 @@ def step_metrics(step, drawn, kept, lost, st, seconds) -> dict:
                 grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
                 train_tokens=st["tokens"] if st else 0, turns=sum(t.turns for t in every) / len(every),
-                sim_failures=lost, **seconds, tok_per_s=seconds["rollout_s"] and sampled / seconds["rollout_s"])
+                sim_failures=len(left), **seconds, tok_per_s=seconds["rollout_s"] and sampled / seconds["rollout_s"],
+                **rollout.user_report(every + left, seconds["rollout_s"] and seconds["rollout_s"] + seconds["train_s"],
+                                      price))
 
 
-def log(args, metrics, m):
-    """Append m to metrics and <out>/metrics.jsonl, and print its line(s)."""
-    common.log_metrics(args.out, metrics, m)
+def log(args, metrics, m, tracker=None):
+    """Append m to metrics and <out>/metrics.jsonl (and the --report-to tracker), and print its line(s)."""
+    common.log_metrics(args.out, metrics, m, tracker)
     f = lambda x, spec: "-" if x is None else format(x, spec)                    # noqa: E731
     if "reward" in m:
         print(f"step {m['step']:3d}/{args.steps} | reward {m['reward']:.3f} | groups {m['groups_trained']} of "
               f"{m['groups_varied']} with signal of {m['groups_drawn']} ({m['signal_token_share']:.0%} of tokens) | "
               f"kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')} | gnorm "
               f"{f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | "
-              f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s", flush=True)
+              f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s | {rollout.user_line(m)}", flush=True)
     if "heldout_by_user" in m:
         print(f"step {m['step']:3d} | held-out pass^1 " + ", ".join(f"{v:.3f} under {u}" for u, v in
               m["heldout_by_user"].items()) + f" on {args.eval_tasks * len(args.domains.split(','))} tasks", flush=True)
@@ -393,7 +394,6 @@ def plot(metrics, path, temperature):
                               ("KL to the starting policy (k3)", {"": [(m["step"], m["kl"]) for m in trained]}, None),
                               ("groups per step", {k: [(m["step"], m[f"groups_{k}"]) for m in trained]
                                                    for k in ("drawn", "varied", "trained")}, None)])
-
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import tempfile
 import time
 import warnings
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -35,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 import envs
-from users import STOP, ask_users, visible_text, without_think
+from users import STOP, UserSimulatorError, ask_users, check_turn, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 decoding is slower (see ModelAgent)
@@ -294,7 +295,7 @@ class Trajectory:
     stop_reason: str = ""       # user_stop | transfer | max_turns | context_limit | agent_stop | error
     stats: dict = field(default_factory=dict)
     diff: str = ""
-    failed: str = ""            # "user" or "env": the simulator failed, not the agent (stats["error"] says how)
+    failed: str = ""            # "user" or "env": the simulator failed; "user_broke": the user broke the check (stats["error"])
 
     def show(self, max_chars: int = 300) -> str:
         lines = [f"== {self.task_id} [{self.scenario}/{self.tier}] reward={self.reward} turns={self.turns} "
@@ -438,18 +439,20 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
             env = envs.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
             made.append((env, make_user(task, zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
-    convs = []
-    for (env, u, i, g), first in zip(made, ask_users([u.first_message for _, u, _, _ in made], workers)):
+    t0, firsts = time.time(), ask_users([u.first_message for _, u, _, _ in made], workers)
+    flagged = check_replies([(u, env, []) for env, u, _, _ in made], firsts, workers)
+    convs, waited = [], (time.time() - t0) / max(len(made), 1)
+    for (env, u, i, g), first, bad in zip(made, firsts, flagged):
         task, system = env.task, system_prompt(env.policy, env.tools)
         opening = "" if isinstance(first, Exception) else first
         ids = fmt.prompt_ids(env.policy, opening, env.tools)    # messages[0] holds the tools as text; mask 0
         traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, ids, [0] * len(ids), [0.0] * len(ids),
                           [{"role": "system", "content": system}, {"role": "user", "content": opening}],
-                          stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns "
-                                               "extra_calls_ignored sampled_tokens user_tokens tool_tokens").split(), 0))
-        if isinstance(first, Exception):                 # no opening, no conversation: the simulator failed
-            traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(first).__name__}: {first}"
-        elif len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
+                          stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns extra_calls_ignored "
+                                               "sampled_tokens user_tokens tool_tokens user_asked_again").split(), 0)
+                          | {"user_flags": {}, "user_wait_s": waited})
+        traj.messages[1].update(checked(traj, first, bad))   # no opening, no conversation: the simulator failed or broke
+        if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
         convs.append(Conversation(env, u, traj))
     for d in sorted({c.traj.domain for c in convs if c.traj.stop_reason == "context_limit"}):   # said once
@@ -497,15 +500,67 @@ def agent_turn(conv, new_ids, new_lp, fmt, tokenizer) -> bool:
     return False
 
 
-def user_turn(traj, said, fmt):
-    """Append the user's reply; ###STOP### ends the episode (kept in messages, no tokens: nothing follows)."""
-    if isinstance(said, Exception):                      # a failing user ends this rollout only
-        traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user", f"{type(said).__name__}: {said}"
+class UserBroke(UserSimulatorError):
+    """A user message the check (users.check_turn) still flagged after its user's check_retries re-asks."""
+
+    def __init__(self, said: str, reason: str, tries: int):
+        super().__init__(f"the user broke the check ({reason}) {tries} time(s) in a row; its last try: {said[:120]!r}")
+        self.reason = reason
+
+
+def check_replies(asked: list, replies: list, workers: int) -> list[list[dict]]:
+    """The check on each message of a checked user (users.check_turn; check_retries None: not checked). asked: the
+    (user, env, agent's view it answered) of each of replies. A flagged message is asked again (LLMUser.ask_again) up
+    to its user's check_retries times, a round's flagged ones together (workers at once); replies[i] becomes the
+    first that passes, or a UserBroke. -> each message's flagged tries, [{"said", "reason"}, ...] in order."""
+    flagged, todo = [[] for _ in replies], [i for i, (u, _, _) in enumerate(asked) if u.check_retries is not None]
+    while todo:
+        again = []
+        for i in todo:
+            user, env, view = asked[i]
+            if not (isinstance(replies[i], str) and (reason := check_turn(env.task, env, view, replies[i]))):
+                continue                                  # it passed (or its simulator failed)
+            flagged[i].append({"said": replies[i], "reason": reason})
+            if len(flagged[i]) > user.check_retries:     # out of re-asks: the user broke
+                replies[i] = UserBroke(replies[i], reason, len(flagged[i]))
+            else:
+                again.append(i)
+        asks = [partial(asked[i][0].ask_again, asked[i][2], replies[i], flagged[i][-1]["reason"], len(flagged[i]))
+                for i in again]
+        for i, said in zip(again, ask_users(asks, workers)):
+            replies[i] = said
+        todo = again
+    return flagged
+
+
+def checked(traj, said, flagged: list) -> dict:
+    """Count a user message's flagged tries (check_replies) on traj, and end its rollout if the user failed (its
+    simulator) or broke the check: left out, never scored as the agent's. -> what the message keeps of it."""
+    for f in flagged:
+        traj.stats["user_flags"][f["reason"]] = traj.stats["user_flags"].get(f["reason"], 0) + 1
+    broke = isinstance(said, UserBroke)
+    traj.stats["user_asked_again"] += len(flagged) - broke
+    if isinstance(said, Exception):
+        traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user_broke" if broke else "user", \
+            f"{type(said).__name__}: {said}"
+    if broke:
+        traj.stats["user_broke"] = said.reason
+    return ({"flagged": flagged} if flagged else {}) | ({"broke": said.reason} if broke else {})
+
+
+def user_turn(traj, said, fmt, flagged=()):
+    """Append the user's reply, with the check's flagged tries before it (check_replies); ###STOP### ends the episode
+    (kept in messages, no tokens: nothing follows). A user that failed or broke the check ends this rollout only
+    (a message with no content, its flagged tries kept)."""
+    note = checked(traj, said, list(flagged))
+    if isinstance(said, Exception):
+        traj.messages += [{"role": "user", "content": "", **note}] if note else []
     elif STOP in said:
-        traj.messages.append({"role": "user", "content": said})
+        traj.messages.append({"role": "user", "content": said, **note})
         traj.stop_reason = "user_stop"
     else:
         _append_turn(traj, fmt, "user", said)
+        traj.messages[-1].update(note)
 
 
 def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", max_turns: int = 30,
@@ -530,9 +585,13 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", 
     while active:
         outs = agent.act([(convs[c].env.task, convs[c].traj.messages, convs[c].traj.token_ids) for c in active])
         waiting = [c for c, (ids, lps) in zip(active, outs) if agent_turn(convs[c], ids, lps, fmt, tokenizer)]
-        replies = ask_users([partial(convs[c].user.reply, convs[c].traj.messages[1:]) for c in waiting], workers)
-        for c, said in zip(waiting, replies):
-            user_turn(convs[c].traj, said, fmt)
+        t_ask, views = time.time(), [convs[c].traj.messages[1:] for c in waiting]
+        replies = ask_users([partial(convs[c].user.reply, view) for c, view in zip(waiting, views)], workers)
+        flagged = check_replies([(convs[c].user, convs[c].env, v) for c, v in zip(waiting, views)], replies, workers)
+        waited = (time.time() - t_ask) / max(len(waiting), 1)   # each its share: the sum is the round's wall time
+        for c, said, bad in zip(waiting, replies, flagged):
+            user_turn(convs[c].traj, said, fmt, bad)
+            convs[c].traj.stats["user_wait_s"] += waited
         for c in active:                                 # the turn cap and the context limit cut what is left
             traj = convs[c].traj
             traj.stop_reason = traj.stop_reason or ("max_turns" if traj.turns >= max_turns else "context_limit"
@@ -551,3 +610,59 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", 
         traj.stats["correct_state"] = float(env.reward(said) >= 1)
         traj.stats["extras"] = env.extras() if hasattr(env, "extras") else {}   # e.g. ACEBench's process score
     return [conv.traj for conv in convs]
+
+
+# ----------------------------------------------------------------------------- what the users did and cost
+
+def user_report(trajs, wall_s=None, price=(0.0, 0.0)) -> dict:
+    """What the simulated users of these rollouts cost and where the check stepped in: a step's numbers (rl.py's
+    metrics.jsonl and log line, the tracker) and an evaluation's (eval.py's results). requests: every HTTP request
+    sent; retries: the client's; asked_again: the check's re-asks; prompt and completion tokens; dollars at price
+    (USD per million prompt and completion tokens, --user-price); seconds waited on users (each rollout holds its
+    share of each round's wait, so they add up to wall time) and their share of wall_s; flags: the check's, per
+    reason; left_out: the rollouts left out, per reason (a check reason: the user broke it; user_failed: its
+    simulator failed; env_failed)."""
+    usage, flags = Counter(), Counter()
+    for t in trajs:
+        usage.update(t.stats.get("user_usage", {}))
+        flags.update(t.stats.get("user_flags", {}))
+    wait = sum(t.stats.get("user_wait_s", 0.0) for t in trajs)
+    return dict(user_requests=usage["requests"], user_retries=usage["retries"],
+                user_asked_again=sum(t.stats.get("user_asked_again", 0) for t in trajs),
+                user_prompt_tokens=usage["prompt_tokens"], user_completion_tokens=usage["completion_tokens"],
+                user_dollars=(usage["prompt_tokens"] * price[0] + usage["completion_tokens"] * price[1]) / 1e6,
+                user_wait_s=wait, user_wait_share=wait / wall_s if wall_s else None, user_flags=dict(flags),
+                left_out=dict(Counter(t.stats.get("user_broke") or f"{t.failed}_failed" for t in trajs if t.failed)))
+
+
+def user_line(r: dict) -> str:
+    """A user_report in one line, for a step's or an evaluation's log."""
+    counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"   # noqa: E731
+    share = "" if r["user_wait_share"] is None else f" ({r['user_wait_share']:.0%})"
+    return (f"users {r['user_requests']} req ({r['user_retries']} retried, {r['user_asked_again']} asked again), "
+            f"{r['user_prompt_tokens'] / 1e3:.1f}k+{r['user_completion_tokens'] / 1e3:.1f}k tok, "
+            f"${r['user_dollars']:.2f}, waited {r['user_wait_s']:.0f} s{share} | flagged {counts(r['user_flags'])} | "
+            f"left out {counts(r['left_out'])}")
+
+
+def stop_if_many_left_out(trajs, limit: float, where: str):
+    """Stop with one line when more than `limit` (--max-sim-failures) of trajs were left out: their user simulator
+    failed or broke the check, or their env failed. So many 0s would be the infrastructure's, not the agent's."""
+    left = [t for t in trajs if t.failed]
+    if len(left) > limit * len(trajs):
+        raise SystemExit(f"{where}: {len(left)} of {len(trajs)} rollouts left out (their user simulator failed or "
+                         f"broke the check, or their env failed), more than --max-sim-failures {limit}: "
+                         f"{left[0].stats.get('error')}")
+
+
+def check_episode(task, traj) -> list[tuple[int, str]]:
+    """The check run afterwards on each user message of a finished episode of ours, as run_episodes runs it on an
+    LLM user's: the agent's tool calls replayed on a fresh env up to each message. -> [(message index, reason)] of
+    the messages it flags (tests: no scripted persona trips it; scripts/user_check.py: the run without the check)."""
+    env, flags = envs.make_env(task), []
+    for i, m in enumerate(traj.messages[1:], start=1):
+        if m["role"] == "assistant" and m.get("tool_calls"):          # the executed call: the first (agent_turn)
+            env.step(m["tool_calls"][0]["name"], m["tool_calls"][0]["arguments"])
+        elif m["role"] == "user" and (reason := check_turn(task, env, traj.messages[1:i], m["content"])):
+            flags.append((i, reason))
+    return flags

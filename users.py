@@ -10,7 +10,8 @@ the policy or the DB. One interface, User.first_message() / User.reply(messages)
   LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
 USER_KINDS is the table of --user kinds (make_user builds from it, common.check_args validates with it).
-rollout.run_episodes asks them for replies (ask_users: many LLM users at once); imports nothing of ours.
+rollout.run_episodes asks them for replies (ask_users: many LLM users at once) and checks an LLM user's (check_turn:
+a stop before the needed write, a fact the task does not hold, the agent's voice, nothing). Imports nothing of ours.
 """
 import contextlib
 import functools
@@ -34,6 +35,7 @@ FACT_KEYWORDS = {
 }
 
 STOP = "###STOP###"
+PATIENCE = 10   # a user's replies before it gives up (ScriptedUser); the check lets any user stop after them
 
 
 class User:
@@ -42,6 +44,7 @@ class User:
     ###STOP### ends the episode. ends_on_text: the episode ends at the agent's first text-only turn."""
     ends_on_text = False
     concurrent = False     # may reply from several threads at once (run_episodes then asks a round's users together)
+    check_retries = None   # re-asks of a message the check flags (LLM users of ours); None: never checked
 
     def __init__(self, task):
         self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
@@ -94,7 +97,7 @@ class ScriptedUser(User):
     NUDGE = ("Can you help me with that?", "What do you need from me?", "Could you take care of it?")
     WAIT = ("Okay, please go ahead and make the change.", "Please do it now.", "Go ahead, please.")
 
-    def __init__(self, task, seed: int = 0, patience: int = 10):
+    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
         super().__init__(task)
         self.rng, self.patience, self.replies = random.Random(seed), patience, 0
         self.confirmed, self.opening = [False] * len(task.confirm_terms), task.opening
@@ -153,7 +156,7 @@ class AsksBackFirst:
     BACK = ("Before I answer: will this cost me anything extra?", "Wait, can that be undone later if I change my mind?",
             "Hmm, how long will that take to go through?")
 
-    def __init__(self, task, seed: int = 0, patience: int = 10):
+    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
         super().__init__(task, seed, patience)
         self.asked_back = False
 
@@ -171,7 +174,7 @@ class OneFactAReply:
     "your email address" after giving the address, it gives the email, though "address" was asked too.)"""
     WHICH = 0
 
-    def __init__(self, task, seed: int = 0, patience: int = 10):
+    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
         super().__init__(task, seed, patience)
         self.given = set()
 
@@ -199,7 +202,7 @@ class CuriousUser(AsksBackFirst, OneFactAReply, ScriptedUser):
     REQUESTS = {"cancel_order": "Could you cancel one of my orders for me?",     # openings without their ids
                 "add_bags": "I need extra checked luggage on one of my bookings."}
 
-    def __init__(self, task, seed: int = 0, patience: int = 10):
+    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
         super().__init__(task, seed, patience)
         self.opening = self.REQUESTS.get(task.scenario, task.opening)
 
@@ -218,7 +221,7 @@ class TerseUser(ScriptedUser):
     NUDGE = ("Well?", "And?", "So?")
     WAIT = ("Do it.", "Go on.", "Make the change.")
 
-    def __init__(self, task, seed: int = 0, patience: int = 10):
+    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
         super().__init__(task, seed, patience)
         self.told_all = False
 
@@ -263,7 +266,7 @@ class CarelessUser(ScriptedUser):
     message corrects it ("Sorry, I mistyped my order id: it is #W123, not #W124."), whatever the agent said in
     between: an agent that already used the wrong value has to use the right one instead."""
 
-    def __init__(self, task, seed: int = 0, patience: int = 10):
+    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
         super().__init__(task, seed, patience)
         self.mistyped, self.correction = False, ""
 
@@ -372,10 +375,8 @@ class NoUser(User):
         return STOP
 
 
-# ---- LLM users: OpenAIUser, LocalUser. Both play the customer from task.instruction alone, never
-# seeing the tools, the policy or the DB.
-# Their chat is the agent's conversation with roles flipped: the agent's visible text (tool-call
-# tags and tool turns removed) becomes "user" turns, the simulator's own messages "assistant" turns.
+# ---- LLM users: OpenAIUser, LocalUser play the customer from task.instruction alone (no tools, policy or DB), in the
+# agent's conversation with roles flipped: its visible text as "user" turns, their own messages as "assistant" turns.
 
 USER_SIM_PROMPT = """You are playing a customer who writes to a customer-service agent. Stay in character.
 
@@ -434,6 +435,10 @@ class LLMUser(User):
     def reply(self, messages: list[dict]) -> str:
         return self._complete(messages)
 
+    def ask_again(self, messages: list[dict], said: str, reason: str, attempt: int) -> str:
+        """The message again (attempt 1, 2, ...), after the check flagged `said` for `reason` (check_turn)."""
+        return self._complete(messages, again=(said, reason, attempt))
+
 
 _sending = threading.local()   # .usage: the counters of the user whose request this thread is sending
 
@@ -480,20 +485,23 @@ class OpenAIUser(LLMUser):
     concurrent = True      # it waits on the network; its client is thread-safe
 
     def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=6,
-                 temperature=0.0, max_tokens=256):
+                 temperature=0.0, max_tokens=256, check_retries=None):
         super().__init__(task)   # max_retries 6: the client's waits add up to 18-24 s, a server restart ridden out
-        self.model, self.max_retries = model, max_retries
+        self.model, self.max_retries, self.check_retries = model, max_retries, check_retries
         self.temperature, self.max_tokens = temperature, max_tokens
         self.client = openai_client(base_url or os.environ.get("OPENAI_BASE_URL"),
                                     api_key or os.environ.get("OPENAI_API_KEY") or "none",   # local servers ignore it
                                     timeout)
         self.usage.update(requests=0, retries=0)
 
-    def _complete(self, messages: list[dict]) -> str:
-        return (self._request(user_sim_messages(self.task, messages)).content or "").strip()
+    def _complete(self, messages: list[dict], again=None) -> str:
+        chat, sampling = user_sim_messages(self.task, messages), {}
+        if again:                  # asked again: the correction, and a seeded higher temperature (AGAIN_TEMPERATURE)
+            chat, sampling = again_chat(chat, *again[:2]), dict(temperature=AGAIN_TEMPERATURE, seed=again[2])
+        return (self._request(chat, **sampling).content or "").strip()
 
-    def _request(self, chat: list[dict], tools: list[dict] | None = None):
-        """One chat completion -> its message (with text, or tool calls when tools are given)."""
+    def _request(self, chat: list[dict], tools: list[dict] | None = None, **sampling):
+        """One chat completion -> its message (text, or tool calls when tools are given); sampling: instead of ours."""
         import openai
         first, no_message = self.usage["requests"], (ValueError, openai.APIResponseValidationError)
         while True:
@@ -501,8 +509,8 @@ class OpenAIUser(LLMUser):
             _sending.usage, error = self.usage, None
             try:
                 r = self.client.with_options(max_retries=left).chat.completions.create(
-                    model=self.model, messages=chat, temperature=self.temperature, max_tokens=self.max_tokens,
-                    **({"tools": tools} if tools else {}))
+                    model=self.model, messages=chat, max_tokens=self.max_tokens,
+                    **{"temperature": self.temperature, **sampling, **({"tools": tools} if tools else {})})
                 message = chat_message(r)
             except (ValueError, openai.APIError) as e:   # a 200 without a message (a body that is not JSON:
                 error = e                                # JSONDecodeError), the client's retries spent, or a 401/404
@@ -526,14 +534,17 @@ class LocalUser(LLMUser):
     """User simulator played by a Hugging Face causal LM in this process (greedy, short replies).
     Given the policy itself (a peft model), the base model plays the user: the LoRA adapter is switched off."""
 
-    def __init__(self, task, model, tokenizer, max_new_tokens=64):
+    def __init__(self, task, model, tokenizer, max_new_tokens=64, check_retries=None):
         super().__init__(task)
-        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.check_retries = max_new_tokens, check_retries
 
-    def _complete(self, messages: list[dict]) -> str:
+    def _complete(self, messages: list[dict], again=None) -> str:
+        """Greedy; asked again, with the correction only (sampling would draw from torch's RNG, the policy's)."""
         import torch
-        tok = self.tokenizer
-        text = tok.apply_chat_template(user_sim_messages(self.task, messages), add_generation_prompt=True, tokenize=False)
+        tok, chat = self.tokenizer, user_sim_messages(self.task, messages)
+        text = tok.apply_chat_template(again_chat(chat, *again[:2]) if again else chat, add_generation_prompt=True,
+                                       tokenize=False)
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device=self.model.device)  # (1, T)
         with torch.no_grad(), getattr(self.model, "disable_adapter", contextlib.nullcontext)():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -541,6 +552,73 @@ class LocalUser(LLMUser):
         self.usage["prompt_tokens"] += ids.shape[1]
         self.usage["completion_tokens"] += out.shape[1] - ids.shape[1]
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+# ---- The check on an LLM user's message, against what the world knows (rollout.check_replies; docs/reference.md)
+
+CORRECTIONS = {   # the check's reasons, each with the line a re-ask adds to the simulator's chat (again_chat)
+    "empty": "Your message was empty: write the customer's next message.",
+    "agent_voice": "You are the customer, not the agent: write only the customer's next message, in plain words.",
+    "early_stop": "Your request is not done yet, so do not write ###STOP###: answer the agent's last message.",
+    "wrong_fact": "Use only the facts in your instruction, exactly as written; never make up an id, email or number.",
+}
+AGAIN_TEMPERATURE = 0.7   # a re-ask's temperature (seeded by its attempt): at the user's own 0 it would say the same
+_SYNTAX = re.compile(r"<\|[^|>]*\|>|</?(tool_call|tool_response|tools|think)>|\[/?INST]|\"arguments\"\s*:|"
+                     r"^\W*(system|assistant|user|agent|customer|human|ai|bot)\s*:", re.I | re.M)
+_AGENT_SAYS = re.compile("|".join((   # the agent's words: offering help, asking leave, asking for "your" facts, acting
+    r"\bhow (can|may) i (help|assist)", r"\bwhat can i do for you", r"\b(happy|glad) to (help|assist)\b",
+    r"\banything else (i|we) can\b", r"\b(would you like|do you want) me to\b", r"\bshall i\b", r"\bas an ai\b",
+    r"\bi('m| am) (\w+,? ){0,2}(a|an|your) (\w+[- ]){0,3}(agent|representative|assistant)\b|\blanguage model\b",
+    r"\byour (email|user id|order (id|number)|reservation (id|number)|zip|payment method|date of birth)\b",
+    r"\bi('ve| have) (successfully )?(cancell?ed|updated|changed|processed|booked|added|modified) (your|the)\b")), re.I)
+_VALUE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\$ ?\d[\d,]*(?:\.\d+)?|\b\d+\.\d\d\b|[#\w-]*\d[#\w-]*")
+
+
+def again_chat(chat: list[dict], said: str, reason: str) -> list[dict]:
+    """The simulator's chat to ask again: the message it wrote, then the correction for its reason as a system line."""
+    return chat + [{"role": "assistant", "content": said or "(nothing)"},
+                   {"role": "system", "content": CORRECTIONS[reason]}]
+
+
+def stated_values(text: str) -> set[str]:
+    """The values a message states: emails; amounts ("$1,054.2" -> "1054.20"); codes of 5 or more letters, digits, _
+    and - with a digit among them (ids, zips, dates; lowercase, no #), not a number-word compound ("30-day")."""
+    out = set()
+    for v in _VALUE.findall(text):
+        if "@" in v:
+            out.add(v.lower())
+        elif v[0] == "$" or re.fullmatch(r"\d+\.\d\d", v):
+            out.add(f"{float(v.strip('$ ').replace(',', '')):.2f}")
+        elif len(v := v.strip("#_-").lower()) >= 5 and not re.fullmatch(r"\d+(-[a-z]+)+", v):
+            out.add(v)
+    return out
+
+
+def check_turn(task, env, messages: list[dict], said: str) -> str:
+    """The check on one message `said` of an LLM user of our domains -> "" when it passes, else the first reason of
+    CORRECTIONS that flags it. messages: the agent's view before it (the user's opening first; [] for the opening);
+    env: the rollout's, with the writes made so far."""
+    agent, own = ([visible_text(m["content"]) for m in messages if m["role"] == r] for r in ("assistant", "user"))
+    last, text = (agent or [""])[-1], said.replace(STOP, " ")
+    words = lambda x: " ".join(re.findall(r"\w+", x.lower()))                   # noqa: E731
+    if STOP not in said and not re.search(r"[^\W_]", said):          # no letter or digit, and no stop
+        return "empty"
+    # template, role or tool-call syntax; the agent's words; its last message said back (4+ words the user had not said)
+    echo = len(words(text).split()) >= 4 and words(text) == words(last) not in words(" ".join(own + [task.instruction]))
+    if _SYNTAX.search(said) or _AGENT_SAYS.search(text) or echo:
+        return "agent_voice"
+    # a stop while a write has not happened nor been reported done, or an answer is owed, unless the agent refused or
+    # the user has replied PATIENCE times (then it may give up, as the scripted user does)
+    reported = _REPORTS_DONE.search(last) and not asks_confirmation(last)
+    owed = len(env.writes) < len(task.confirm_terms) and not reported or \
+        any(o.lower() not in " ".join(agent).lower() for o in task.required_outputs)
+    if STOP in said and owed and not _REFUSES.search(last) and len(own) <= PATIENCE:
+        return "early_stop"
+    # a value the brief and the agent's words do not hold, not even as part of one ("3198000" of "#W3198000") or one
+    # digit off (a person's typo, as the careless persona makes it)
+    held = stated_values(" ".join([task.instruction, *map(str, task.hidden_facts.values()), *agent]))
+    typo = lambda v, h: len(v) == len(h) and [a.isdigit() and b.isdigit() for a, b in zip(v, h) if a != b] == [True]
+    return "wrong_fact" if any(not any(v in h or typo(v, h) for h in held) for v in stated_values(text)) else ""
 
 
 def ask_users(calls: list, workers: int) -> list:

@@ -378,7 +378,7 @@ def make_user(spec: str, task: AceTask, seed: int = 0, env=None, **kw) -> users.
     if task.tier == "multi-step":
         return StepUser(task)
     if spec.startswith("openai:"):
-        return AceUser(task, spec.split(":", 1)[1], **kw)
+        return AceUser(task, spec.split(":", 1)[1], **kw | {"check_retries": None})   # unchecked, as τ²'s user
     if spec == "oracle":
         return OracleUser(task)
     raise SystemExit(f"user {spec!r} cannot play an ACEBench case: use --user openai:MODEL (ACEBench's own user "

@@ -235,7 +235,8 @@ def make_user(spec: str, task: Tau2Task, seed: int = 0, env: Tau2Env | None = No
     if env is None:
         raise SystemExit("a τ² user needs its rollout's env (users.make_user(..., env=env))")
     if spec.startswith("openai:"):
-        return Tau2User(task, spec.split(":", 1)[1], env=env, **kw)
+        # unchecked: users.check_turn reads our tasks' facts and writes; τ²'s scenarios are free text
+        return Tau2User(task, spec.split(":", 1)[1], env=env, **kw | {"check_retries": None})
     if spec == "oracle":
         return OracleUser(task, env)
     raise SystemExit(f"user {spec!r} cannot play a τ² task: the scripted user (and none, local) read our "

@@ -73,7 +73,7 @@ def run(name, args, tasks, tok, out):
         make_user = envs.UserFactory("openai:scripted", dict(base_url=srv.url, api_key="none", timeout=args.timeout,
                                                              max_retries=args.max_retries))
         try:
-            drawn, kept, lost = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, rl_args, make_user)
+            drawn, kept, left = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, rl_args, make_user)
         except SystemExit as e:                     # rl.py's one line, past --max-sim-failures
             stop = str(e)
     wall = time.time() - t0
@@ -90,7 +90,7 @@ def run(name, args, tasks, tok, out):
                 lost=len(trajs) - len(done), complete=len(done),
                 reward=sum(t["reward"] for t in done) / len(done) if done else None,
                 outcome=stop or f"{len(drawn)} groups drawn, {sum(map(len, drawn))} rollouts scored, "
-                                f"{lost} left out, {len(kept)} with reward variance")
+                                f"{len(left)} left out, {len(kept)} with reward variance")
 
 
 def main(argv=None):

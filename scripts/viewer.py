@@ -45,6 +45,7 @@ details.ep{margin:.3em 0 .3em .8em}details.ep>summary{font-size:.93em}
 .r1{color:#070;font-weight:bold}.r0{color:#a00}.lost{color:#a60}
 .turn{border-left:3px solid #ccc;margin:.35em 0;padding:.1em .6em}.turn>b{font-size:.8em;text-transform:uppercase}
 .turn.assistant{border-color:#3a3}.turn.user{border-color:#48c}.turn.tool{border-color:#c84}
+.turn.flagged{border-color:#d33;background:#fff3f3}
 .note{color:#666;font-style:italic;font-size:.85em;margin-left:.5em}
 .tok{white-space:pre-wrap;word-break:break-word;font:12px/1.55 ui-monospace,Menlo,Consolas,monospace}
 .m0{color:#666}.m1{background:#cfe0f7;box-shadow:inset -1px 0 #fff}.text{white-space:pre-wrap}
@@ -200,6 +201,16 @@ def turn(role: str, body: str, note: str = "") -> str:
             f'<div class=tok>{body}</div></div>')
 
 
+def flagged_turns(m: dict) -> str:
+    """A user message's tries the check flagged (rollout.check_replies), each marked with its reason: asked again, or
+    the last try of a user that broke the check (its episode left out)."""
+    tries = m.get("flagged") or []
+    return "".join(turn("user flagged", f"<span class=text>{esc(f['said'])}</span>", f"flagged by the check: "
+                        f"{f['reason']}; " + ("no re-ask left: the user broke, the episode is left out"
+                                              if m.get("broke") and k == len(tries) - 1 else "asked again"))
+                   for k, f in enumerate(tries))
+
+
 def agent_note(m: dict) -> str:
     """What the turn did: its first tool call, the one that ran (rollout.agent_turn), and what was cut or ignored."""
     calls, notes = m.get("tool_calls") or [], []
@@ -215,7 +226,8 @@ def agent_note(m: dict) -> str:
 def conversation(t, vocab: Vocab) -> str:
     """The episode turn by turn, every token once: the prompt (the system prompt, shown once at the top of the page
     and linked, then the user's opening), each agent turn (its sampled tokens), each tool result or user reply (the
-    tokens appended for it); a message that has no tokens (the user's closing ###STOP###) as text."""
+    tokens appended for it); a message that has no tokens (the user's closing ###STOP###) as text; before a user
+    message, its tries the check flagged."""
     runs, parts, r = stretches(t.loss_mask), [], 0
     if runs and not runs[0][2]:
         lo, hi, _ = runs[0]
@@ -224,11 +236,15 @@ def conversation(t, vocab: Vocab) -> str:
         n = vocab.prompt(t, lo, cut)
         parts.append(f'<div class="turn system"><b>system prompt</b><span class=note>{cut - lo} tokens, the same as '
                      f'<a href="#prompt-{n}">system prompt {n}</a> at the top</span></div>')
+        parts.append(flagged_turns(t.messages[1]) if len(t.messages) > 1 else "")
         if cut < hi:
             parts.append(turn("user", spans(t, cut, hi, vocab), "the opening"))
         r = 1
     for m in t.messages[2:]:
         agent = m["role"] == "assistant"
+        parts.append(flagged_turns(m))
+        if m.get("broke"):                                  # its tries are all it said: nothing reached the agent
+            continue
         if r < len(runs) and runs[r][2] == agent:
             parts.append(turn(m["role"], spans(t, *runs[r][:2], vocab), agent_note(m) if agent else ""))
             r += 1
@@ -250,9 +266,13 @@ def episode(t, vocab: Vocab, label: str = "", adv: float | None = None, anchor: 
     head = [esc(label) if label else f"trial {t.trial}", f"reward {reward_html(t.reward)}"]
     head += [] if adv is None else [f"advantage <b>{adv:+.3f}</b>"]
     head += [esc(t.stop_reason), f"{t.turns} turns", f"{sum(t.loss_mask)} of {len(t.token_ids)} tokens sampled"]
+    if flags := t.stats.get("user_flags"):
+        head.append("<span class=lost>user messages flagged by the check: " +
+                    ", ".join(f"{esc(k)} {v}" for k, v in sorted(flags.items())) + "</span>")
     if t.failed:
-        head.append(f"<span class=lost>left out: its {esc(t.failed)} simulator failed "
-                    f"({esc(str(t.stats.get('error', '')))})</span>")
+        why = f"its user broke the check ({t.stats.get('user_broke')})" if t.failed == "user_broke" else \
+            f"its {t.failed} simulator failed"
+        head.append(f"<span class=lost>left out: {esc(why)} ({esc(str(t.stats.get('error', '')))})</span>")
     diff = f"<pre class=diff>{esc(t.diff)}</pre>" if t.diff else "<p class=meta>nothing differs from the gold state</p>"
     return (f'<details class="ep {sign}"{f" id={anchor}" if anchor else ""}><summary>{" · ".join(head)}</summary>'
             f"{conversation(t, vocab)}<h3>the env's diff against the gold state (stop reason: {esc(t.stop_reason)})</h3>"
@@ -309,6 +329,7 @@ def step_line(m: dict | None) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)                    # noqa: E731
     share = f" ({m['signal_token_share']:.0%} of the tokens)" if "signal_token_share" in m else ""
     held = f" · held-out pass^1 after the step {m['heldout_pass1']:.3f}" if m.get("heldout_pass1") is not None else ""
+    held += f" · {esc(rollout.user_line(m))}" if "user_requests" in m else ""
     return (f"<p class=meta>reward {m['reward']:.3f} · pass rate {m['pass_rate']:.3f} · groups: {m['groups_drawn']} "
             f"drawn, {m['groups_varied']} with reward variance{share}, {m['groups_trained']} trained · kl "
             f"{f(m['kl'], '.5f')} · {m['tokens']} tokens sampled, {m['train_tokens']} trained · simulator failures "
@@ -346,7 +367,8 @@ def eval_page(run_dir: str, vocab: Vocab) -> tuple[str, int]:
     agents = read_eval(run_dir)
     names = list(agents)
     by = {a: {(t.task_id, t.trial): t for t in ts} for a, ts in agents.items()}
-    rows = ["<tr><th>agent</th><th>episodes</th><th>solved</th><th>lost their simulator</th></tr>"]
+    rows = ["<tr><th>agent</th><th>episodes</th><th>solved</th><th>left out (the user failed or broke the check)</th>"
+            "</tr>"]
     for a, ts in agents.items():
         ok = [t for t in ts if not t.failed]
         rows.append(f"<tr><td>{esc(a)}</td><td>{len(ts)}</td><td>{sum(map(solved, ok))} of {len(ok)} "

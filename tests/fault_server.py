@@ -22,7 +22,13 @@ What it gets wrong, on purpose:
   script            faults for the first requests, in order of arrival ("ok" = none); `faults` after them
   restart(down_s)   down (requests in flight dropped, new connections refused), then up again on the same port
                     after down_s; down_s = inf: gone for good. restart_after=(n, down_s): when request n arrives.
-Counters: requests (that reached it), outcomes (Counter of what each got), max_in_flight.
+What a user gets wrong, on purpose (tests/test_user_check.py): breaks {(task id, k): (reason, times)}, the k-th
+message of that task's user (0: its opening) answered with BREAKS[reason], a message the check (users.check_turn)
+flags for that reason, its first `times` times (inf: always); then as the scripted user says it. A re-ask after the
+check (users.again_chat: the flagged message and a correction at the end of the chat) is answered as the request
+without them. Such state is per conversation: give each task one trial.
+Counters: requests (that reached it), outcomes (Counter of what each got: "broke REASON" for a break),
+max_in_flight.
 """
 import http.server
 import json
@@ -36,6 +42,9 @@ from collections import Counter
 import users
 
 FAULTS = ("429", "500", "503", "drop", "garbage", "empty")
+BREAKS = {"early_stop": "Yes, please go ahead. ###STOP###",   # a yes and a stop together (τ²-bench issue 182)
+          "wrong_fact": "My email is nobody@invented.example.", "agent_voice": "Hi! How can I help you today?",
+          "empty": "..."}
 
 
 def completion(text: str, prompt_chars: int) -> bytes:
@@ -62,7 +71,8 @@ def scripted_answer(task, chat: list[dict]) -> str:
 
 class FaultServer:
     def __init__(self, tasks, latency=0.0, jitter=0.0, faults=None, script=(), retry_after=1.0, seed=0,
-                 restart_after=None, lifetime=600.0):
+                 restart_after=None, lifetime=600.0, breaks=None):
+        self.breaks, self.broken = dict(breaks or {}), Counter()   # (task id, k) -> (reason, times); times broken
         self.by_prompt = {users.user_sim_messages(t, [])[0]["content"]: t for t in tasks}   # system prompt -> task
         self.latency, self.jitter, self.faults, self.script = latency, jitter, dict(faults or {}), list(script)
         self.retry_after, self.restart_after, self.rng = retry_after, restart_after, random.Random(seed)
@@ -141,9 +151,17 @@ class FaultServer:
             if self.generation != gen:                   # it went down while this request waited
                 fault = "drop"
             chat = body.get("messages") or []
+            if len(chat) > 2 and chat[-1]["role"] == "system":   # asked again after the check: without its additions
+                chat = chat[:-2]
             task = self.by_prompt.get(chat[0].get("content") if chat else None)
             if fault == "ok" and task is None:
                 return "unknown", 400, {}, b'{"error": {"message": "no task has this system prompt"}}'
+            if fault == "ok" and (key := (task.id, sum(m["role"] == "assistant" for m in chat))) in self.breaks:
+                reason, times = self.breaks[key]
+                with self.lock:
+                    broke, self.broken[key] = self.broken[key] < times, self.broken[key] + 1
+                if broke:
+                    return f"broke {reason}", 200, {}, completion(BREAKS[reason], len(json.dumps(chat)))
             if fault == "429":
                 return fault, 429, {"Retry-After": str(self.retry_after)}, b'{"error": {"message": "slow down"}}'
             if fault in ("500", "503"):

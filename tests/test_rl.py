@@ -624,10 +624,11 @@ def test_a_user_server_gone_for_good_stops_the_run_with_one_line_and_the_last_ch
     assert first.returncode == 0 and srv.requests >= 8, first.stdout[-3000:] + first.stderr[-3000:]
     adapter = (tmp_path / "ckpt-000001" / "adapter" / "adapter_model.safetensors").read_bytes()
     gone = run_rl(tmp_path, *run, "--user-base-url", srv.url, "--steps", "2", init=os.path.join(tiny_model_dir, "sft"))
-    said = [line for line in gone.stderr.replace("\r", "\n").splitlines() if "lost their simulator" in line]
+    said = [line for line in gone.stderr.replace("\r", "\n").splitlines() if "rollouts left out" in line]
     print(said)
     assert gone.returncode == 1 and "Traceback" not in gone.stderr and len(said) == 1
-    assert said[0].startswith("step 2: 8 of 8 rollouts lost their simulator, more than --max-sim-failures 0.25")
+    assert said[0].startswith("step 2: 8 of 8 rollouts left out (their user simulator failed or broke the check, or "
+                              "their env failed), more than --max-sim-failures 0.25")
     assert [os.path.basename(c) for c in common.checkpoints(tmp_path)] == ["ckpt-000001"]
     assert (tmp_path / "ckpt-000001" / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
     assert [m["step"] for m in read_metrics(tmp_path)] == [1]
@@ -738,3 +739,51 @@ def test_same_adapters_fails_on_one_ulp(tmp_path):
     assert same_adapters.main([before, same]) == 0
     assert same_adapters.main([before, same, before, moved_dir]) == 1
     assert same_adapters.main([before, str(tmp_path / "nowhere")]) == 2
+
+
+# ---------------------------------------------------------------- --report-to: the step's numbers in a tracker
+
+def wandb_logged(path: str, key: str) -> list[str]:
+    """The values logged under key in a W&B run file, in order, read from its raw bytes (wandb 0.31 reads its run files
+    only in its Go core): each history item is a protobuf message whose key (field 2, tag 0x12) comes before its
+    value_json (field 16, tag 0x82 0x01), each a length byte and the text. An item stands there twice (the client's
+    partial history, then the history record): each value is kept once."""
+    data, k = open(path, "rb").read(), key.encode()
+    return list(dict.fromkeys(data[m.end():m.end() + m.group(1)[0]].decode() for m in re.finditer(
+        re.escape(b"\x12" + bytes([len(k)]) + k + b"\x82\x01") + rb"(.)", data, re.S)))
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
+def test_report_to_sends_each_steps_numbers_to_the_tracker_offline(tmp_path, monkeypatch, kind):
+    """--report-to: rl.log hands each metrics line to the tracker (common.log_metrics), every number under its
+    metrics.jsonl key, a nested one as "user_flags/early_stop", None and text left out. Read back from TensorBoard's
+    event file and from the offline W&B run file, both under --out."""
+    import glob
+    import common
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lines = [dict(step=1, reward=0.25, user_requests=12, user_flags={"early_stop": 3}, kl=None, note="text"),
+             dict(step=2, reward=0.75, user_requests=7, user_flags={})]
+    tracker, metrics = common.tracker(SimpleNamespace(report_to=kind, out=str(tmp_path), lr=1e-4)), []
+    for m in lines:
+        common.log_metrics(str(tmp_path), metrics, m, tracker)
+    tracker.close()
+    assert metrics == lines and len(open(tmp_path / "metrics.jsonl").readlines()) == 2
+    if kind == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        got = {k: [(s.step, s.value) for s in events.Scalars(k)] for k in events.Tags()["scalars"]}
+        assert got == {"step": [(1, 1.0), (2, 2.0)], "reward": [(1, 0.25), (2, 0.75)],
+                       "user_requests": [(1, 12.0), (2, 7.0)], "user_flags/early_stop": [(1, 3.0)]}
+    else:
+        path, = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+        assert wandb_logged(path, "reward") == ["0.25", "0.75"] and wandb_logged(path, "_step") == ["1", "2"]
+        assert wandb_logged(path, "user_flags/early_stop") == ["3"] and wandb_logged(path, "kl") == []
+
+
+def test_report_to_without_its_package_is_one_line(monkeypatch):
+    import common
+    monkeypatch.setitem(sys.modules, "wandb", None)               # as if it were not installed
+    with pytest.raises(SystemExit, match=r"^--report-to wandb: wandb is not installed; pip install the version"):
+        common.tracker(SimpleNamespace(report_to="wandb", out="/nonexistent", lr=1e-4))

@@ -127,12 +127,12 @@ def test_server_gone_for_good_every_rollout_is_complete_or_counted_and_rl_stops_
     user = lambda srv: envs.UserFactory("openai:scripted", dict(base_url=srv.url, api_key="k", timeout=2.0,  # noqa
                                                                 max_retries=2))
     with FaultServer(tasks, latency=0.02, restart_after=(25, float("inf"))) as srv:
-        drawn, kept, lost = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, args, user(srv))
+        drawn, kept, left = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, args, user(srv))
     with open(tmp_path / "rollouts" / "step-000001-draw-0.jsonl") as f:
         trajs = [rollout.Trajectory(**json.loads(line)) for line in f]
     failed = [t for t in trajs if t.failed]
     print(f"\ngone: {len(failed)} of {len(trajs)} failed; {failed[0].stats['error'][:150]}")
-    assert len(trajs) == 2 * len(tasks) and 0 < len(failed) < len(trajs) and lost == len(failed)
+    assert len(trajs) == 2 * len(tasks) and 0 < len(failed) < len(trajs) and len(left) == len(failed)
     assert all(t.failed == "user" and t.stop_reason == "error" and "UserSimulatorError" in t.stats["error"]
                for t in failed)
     assert all(t.stop_reason == "user_stop" and t.reward == 1.0 for t in trajs if not t.failed)
@@ -144,7 +144,7 @@ def test_server_gone_for_good_every_rollout_is_complete_or_counted_and_rl_stops_
         rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, args, user(srv))
     line = str(stop.value)
     print(line)
-    assert "\n" not in line and f"{2 * len(tasks)} of {2 * len(tasks)} rollouts lost their simulator" in line
+    assert "\n" not in line and f"{2 * len(tasks)} of {2 * len(tasks)} rollouts left out" in line
     assert "--max-sim-failures 0.25" in line and "UserSimulatorError" in line
 
 

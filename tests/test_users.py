@@ -258,7 +258,8 @@ def test_local_user_plays_whole_episodes_in_run_episodes():
     from envs import ours
     tok = rollout.load_tokenizer()
     task = ours.make_tasks("retail", "test", 1)[0]
-    make_user = common.user_factory(types.SimpleNamespace(user="local"), tiny_random_llama(tok), tok)
+    make_user = common.user_factory(types.SimpleNamespace(user="local", user_check="on", user_retries_on_check=2),
+                                    tiny_random_llama(tok), tok)
     trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], group_size=2, user=make_user, max_turns=2,
                                  progress=False)
     assert all(t.stop_reason != "error" and t.turns >= 1 for t in trajs)

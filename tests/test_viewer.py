@@ -129,12 +129,12 @@ def check_tokens(page, ep, t, decode=VOCAB.__getitem__):
         assert title == (f"id {i}, logp {lp:.3f} (p {math.exp(lp):.2f})" if m else f"id {i}")
 
 
-def write_step(out, drawn_files, drawn, kept, lost):
+def write_step(out, drawn_files, drawn, kept, left):
     """What rl.py writes for one step: each draw's rollouts as rl.sample_draw saves them, its args.json (--tasks, the
     number of groups kept) and the metrics line of rl.step_metrics."""
     for d, trajs in enumerate(drawn_files):
         rollout.save_trajectories(str(out / "rollouts" / f"step-000001-draw-{d}.jsonl"), trajs)
-    m = rl.step_metrics(0, drawn, kept, lost, None, dict(rollout_s=1.0, train_s=0.0))
+    m = rl.step_metrics(0, drawn, kept, left, None, dict(rollout_s=1.0, train_s=0.0), [0, 0])
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
     json.dump({"group_size": 4, "tasks": len(kept)}, open(out / "args.json", "w"))
@@ -154,7 +154,7 @@ def test_rl_page_holds_every_token_and_each_groups_advantages_or_why_it_was_filt
     d = [made("D", 0, g, r, [D]) for g, r in enumerate([1.0, 0.0, 1.0, 0.0])]                  # over the cap
     d[0].failed = "env"                                  # left out of its group, which still has variance
     drawn = [a, b, [], [x for x in d if not x.failed]]
-    write_step(tmp_path, [a + b + c, d], drawn, [a], lost=5)
+    write_step(tmp_path, [a + b + c, d], drawn, [a], left=c + d[:1])
     rec = dict(records(tmp_path))
     assert [rec[k]["filtered"] for k in "ABD"] == ["", "no variance", "over --tasks cap"] and rec["C"] is None
     assert rec["A"]["advantages"] == pytest.approx([1, -1, -1, 1], abs=1e-3) and rec["D"]["trials"] == [1, 2, 3]
@@ -207,7 +207,7 @@ def sample_step(out, tok, tasks: int, screen: int):
     pools = {"airline": envs.make_tasks("airline", "train", 40, ["easy"], 0)}
     drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, "scripted")
     adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
-    m = rl.step_metrics(0, drawn, kept, lost, None, dict(rollout_s=1.0, train_s=0.0))
+    m = rl.step_metrics(0, drawn, kept, lost, None, dict(rollout_s=1.0, train_s=0.0), [0, 0])
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
     return drawn, kept, adv, m
@@ -277,6 +277,39 @@ def test_eval_page_pairs_the_episodes_where_agents_differ(tmp_path):
         check_tokens(page, ep, t)
     assert "left out: its user simulator failed" in every[2]["summary"]
     assert "sft</td><td>4</td><td>2 of 3 (0.667)</td><td>1</td>" in html
+
+
+def test_a_flagged_user_message_and_a_user_that_broke_the_check_are_marked_with_their_reasons(tmp_path):
+    """The tries the check flagged (rollout.check_replies) stand before the message that passed, each with its reason;
+    an episode whose user broke the check ends on its tries, marked left out. The tokens are still exactly the
+    trajectory's, and what the user wrote is escaped."""
+    D = [11]
+    mended, broke = made("T1", 0, 0, 1.0, [D, D]), made("T1", 0, 1, 0.0, [D], failed="user_broke")
+    mended.messages[3]["flagged"] = [{"said": f"{SCRIPT} my id is #W0000001", "reason": "wrong_fact"}]
+    mended.stats = {"user_flags": {"wrong_fact": 1}, "user_asked_again": 1}
+    broke.messages[-1] = {"role": "user", "content": "", "broke": "early_stop",
+                          "flagged": [{"said": f"Yes {SCRIPT} ###STOP###", "reason": "early_stop"}] * 3}
+    broke.stop_reason, broke.stats = "error", {"user_flags": {"early_stop": 3}, "user_broke": "early_stop",
+                                               "error": "UserBroke: the user broke the check (early_stop) 3 time(s)"}
+    ev.save_episodes(str(tmp_path / "episodes_sft.jsonl"), "sft", [mended, broke])
+    json.dump({"agents": "sft"}, open(tmp_path / "args.json", "w"))
+    html, n = viewer.build(str(tmp_path), FAKE)
+    page = Page(html)
+    assert n == 2 and page.scripts == [] and SCRIPT not in html
+    for ep, t in zip(page.episodes, (mended, broke)):
+        check_tokens(page, ep, t)
+    assert "user messages flagged by the check: wrong_fact 1" in page.episodes[0]["summary"]
+    assert "left out: its user broke the check (early_stop)" in page.episodes[1]["summary"]
+    first, second = html.split('<details class="ep ')[1:]            # the two episodes, in order
+    turns = re.findall(r'<div class="turn ([a-z ]+)"><b>[^<]*</b>(?:<span class=note>([^<]*)</span>)?', first)
+    assert turns == [("system", ""), ("user", "the opening"), ("assistant", ""),
+                     ("user flagged", "flagged by the check: wrong_fact; asked again"), ("user", ""),
+                     ("assistant", ""), ("user", "no tokens: the episode ends")]
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; my id is #W0000001" in first
+    notes = re.findall(r'<div class="turn user flagged"><b>[^<]*</b><span class=note>([^<]*)</span>', second)
+    assert notes == ["flagged by the check: early_stop; asked again"] * 2 + [
+        "flagged by the check: early_stop; no re-ask left: the user broke, the episode is left out"]
+    assert "no tokens: the episode ends" not in second                # nothing it said reached the agent
 
 
 def test_a_dir_that_is_no_run_is_one_line_and_exit_2(tmp_path):
@@ -383,7 +416,7 @@ def test_a_48_rollout_step_and_a_192_episode_eval_open_in_under_2_s(tmp_path, to
     prompt = fmt.prompt_ids(env.policy, "Hi, I want to add bags to my reservation.", env.tools)
     trajs = [long_episode(fmt, prompt, rng, f"airline-train-{g}", g, k) for g in range(8) for k in range(6)]
     groups = [trajs[g * 6:(g + 1) * 6] for g in range(8)]
-    write_step(tmp_path / "rl", [trajs], groups, [g for g in groups if len({t.reward for t in g}) > 1], 0)
+    write_step(tmp_path / "rl", [trajs], groups, [g for g in groups if len({t.reward for t in g}) > 1], [])
     os.makedirs(tmp_path / "eval")
     for a in ("sft", "rl"):
         ev.save_episodes(str(tmp_path / "eval" / f"episodes_{a}.jsonl"), a,
