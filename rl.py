@@ -149,11 +149,11 @@ def sample_groups(agent, tok, pools, step, args, make_user):
     for d in range(args.max_draws):
         tasks = order[d * args.draw:(d + 1) * args.draw]
         groups = (screened if args.screen else sample_draw)(agent, tok, tasks, step, d, args, make_user)
-        rollout.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
-        left += [t for g in groups for t in g if t.failed]
+        if failed := [t for g in groups for t in g if t.failed]:   # a user or env failed, or a user broke the check
+            rollout.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
+        left += failed
         groups = [[t for t in g if not t.failed] for g in groups]
-        drawn += groups
-        varied += [g for g in groups if has_signal(g)]
+        drawn, varied = drawn + groups, varied + [g for g in groups if has_signal(g)]
         if len(varied) >= args.tasks:
             break
     return drawn, varied[:args.tasks], left

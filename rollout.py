@@ -440,7 +440,8 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
             made.append((env, make_user(task, zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     t0, firsts = time.time(), ask_users([u.first_message for _, u, _, _ in made], workers)
-    flagged = check_replies([(u, env, []) for env, u, _, _ in made], firsts, workers)
+    flagged = (check_replies([(u, env, []) for env, u, _, _ in made], firsts, workers)   # an LLM user of ours
+               if any(u.check_retries is not None for _, u, _, _ in made) else [[]] * len(made))
     convs, waited = [], (time.time() - t0) / max(len(made), 1)
     for (env, u, i, g), first, bad in zip(made, firsts, flagged):
         task, system = env.task, system_prompt(env.policy, env.tools)
@@ -451,7 +452,8 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
                           stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns extra_calls_ignored "
                                                "sampled_tokens user_tokens tool_tokens user_asked_again").split(), 0)
                           | {"user_flags": {}, "user_wait_s": waited})
-        traj.messages[1].update(checked(traj, first, bad))   # no opening, no conversation: the simulator failed or broke
+        if bad or isinstance(first, Exception):    # no opening, no conversation: the simulator failed or broke
+            traj.messages[1].update(checked(traj, first, bad))
         if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
         convs.append(Conversation(env, u, traj))
@@ -552,7 +554,7 @@ def user_turn(traj, said, fmt, flagged=()):
     """Append the user's reply, with the check's flagged tries before it (check_replies); ###STOP### ends the episode
     (kept in messages, no tokens: nothing follows). A user that failed or broke the check ends this rollout only
     (a message with no content, its flagged tries kept)."""
-    note = checked(traj, said, list(flagged))
+    note = checked(traj, said, list(flagged)) if flagged or isinstance(said, Exception) else {}
     if isinstance(said, Exception):
         traj.messages += [{"role": "user", "content": "", **note}] if note else []
     elif STOP in said:
@@ -581,13 +583,14 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", 
     active = [c for c, conv in enumerate(convs) if not conv.traj.stop_reason]
     bar = tqdm(total=len(convs), desc="conversations", disable=not progress, leave=False,
                bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")
-    t0, rounds = time.time(), 0
+    t0, rounds, checking = time.time(), 0, any(conv.user.check_retries is not None for conv in convs)
     while active:
         outs = agent.act([(convs[c].env.task, convs[c].traj.messages, convs[c].traj.token_ids) for c in active])
         waiting = [c for c, (ids, lps) in zip(active, outs) if agent_turn(convs[c], ids, lps, fmt, tokenizer)]
         t_ask, views = time.time(), [convs[c].traj.messages[1:] for c in waiting]
         replies = ask_users([partial(convs[c].user.reply, view) for c, view in zip(waiting, views)], workers)
-        flagged = check_replies([(convs[c].user, convs[c].env, v) for c, v in zip(waiting, views)], replies, workers)
+        flagged = (check_replies([(convs[c].user, convs[c].env, v) for c, v in zip(waiting, views)], replies, workers)
+                   if checking else [[]] * len(waiting))
         waited = (time.time() - t_ask) / max(len(waiting), 1)   # each its share: the sum is the round's wall time
         for c, said, bad in zip(waiting, replies, flagged):
             user_turn(convs[c].traj, said, fmt, bad)
