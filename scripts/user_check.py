@@ -1,9 +1,10 @@
 r"""scripts/user_check.py: the check on the LLM user (users.check_turn), measured on a real one.
 
-The SFT agent (greedy) on eval.py's CPU tasks (24 held-out tasks a domain, common.CPU_TIERS, its episode limits) under
-an LLM user, each task's episode run twice with the same user seed: the check off (--user-check off), then on
-(--user-check on, --user-retries-on-check 2). One task at a time, so that a llama.cpp server, which answers one request
-at a time and keeps the last one's keys and values, reads only what each message adds. Then it measures:
+The SFT agent (greedy) on eval.py's CPU tasks (--n-tasks held-out tasks a domain, 24 as eval.py's; common.CPU_TIERS,
+its episode limits) under an LLM user, each task's episode run twice with the same user seed: the check off
+(--user-check off), then on (--user-check on, --user-retries-on-check 2). One task at a time, so that a llama.cpp
+server, which answers one request at a time and keeps the last one's keys and values, reads only what each message
+adds. Then it measures:
   * how often the check flags, per reason: the share of user messages and of episodes. Off: the check run afterwards
     on the conversations as they went (rollout.check_episode). On: what it flagged in the loop (first tries), what a
     re-ask mended, and the episodes left out because their user broke it;
@@ -64,7 +65,7 @@ def run_arms(agent, tok, tasks, args) -> tuple[dict, dict]:
         off, on = done["off"][task.id], done["on"][task.id]
         print(f"{n + 1}/{len(tasks)} {task.id}: off reward {off.reward} {off.stop_reason}, on reward {on.reward} "
               f"{on.stop_reason} {on.failed} {on.stats['user_flags']}", flush=True)
-    return done["off"], done["on"]
+    return tuple({task.id: done[arm][task.id] for task in tasks} for arm in ("off", "on"))   # these tasks only
 
 
 def user_messages(t) -> list[int]:
@@ -134,6 +135,8 @@ def main(argv=None):
                    "the re-asks each way")
     p.add_argument("--sample", type=int, default=24, help="flagged messages asked again each way, drawn at random "
                    "(0: all of them)")
+    p.add_argument("--n-tasks", type=int, default=24, help="held-out tasks a domain: the first N of eval.py's 24 "
+                   "(a shorter run is a prefix of the longer one, and goes on from it)")
     p.add_argument("--seed", type=int, default=0, help="the users' seed (eval.py's)")
     p.add_argument("--out", default="runs/user_check", help="where the episodes and the report go")
     p.add_argument("--shard", help="K/N: run only every N-th task from the K-th (0-based), each shard with its own "
@@ -144,7 +147,7 @@ def main(argv=None):
     model, tok = rollout.load_model()
     agent = sampler.make_agent("fast", rollout.load_adapter(model, args.sft_adapter).eval(), tok, 0.0,
                                common.CPU_LIMITS["max_new_tokens"])
-    task_list = envs.held_out_tasks(["retail", "airline"], 24, common.CPU_TIERS.split(","), args.seed)
+    task_list = envs.held_out_tasks(["retail", "airline"], args.n_tasks, common.CPU_TIERS.split(","), args.seed)
     if args.shard:
         k, n = map(int, args.shard.split("/"))
         return run_arms(agent, tok, task_list[k::n], args)
