@@ -156,7 +156,12 @@ def main(argv=None):
     if args.shard:
         k, n = map(int, args.shard.split("/"))
         return run_arms(agent, tok, task_list[k::n], args)
-    off, on = run_arms(agent, tok, task_list, args)
+    print(markdown(report(task_list, *run_arms(agent, tok, task_list, args), args)))
+
+
+def report(task_list: list, off: dict, on: dict, args) -> dict:
+    """The measurement on the episodes run_arms returned: -> the report, also written under args.out (report.json,
+    report.md, flagged.jsonl, unflagged.jsonl)."""
     tasks = {t.id: t for t in task_list}
     off, on = ({(k, 0): t for k, t in run.items()} for run in (off, on))     # keyed (task id, trial) as eval.py's
 
@@ -181,15 +186,15 @@ def main(argv=None):
                for c, run, keys in (("off", off, list(off)), ("on", on, kept), ("off, on the tasks on kept", off,
                                                                                    kept))}
     spared = [k for k in on if on[k].failed]                    # what the run without the check scored those
-    report = {"episodes": len(off), "user_messages": {"off": turns_off, "on": turns_on},
-              "flags_off": shares(flags_off, turns_off), "flags_on": shares(flags_on, turns_on),
-              "mended_on": dict(mended), "left_out_on": dict(left_out), "ways": ways, "asked_again": len(sample),
-              "pass1": {c: {"pass1": s["pass^k"][1], "ci": s["ci"][1], "n": s["n_tasks"]} for c, s in summary.items()},
-              "paired_on_minus_off": ev.paired_difference(pass1(on, kept), pass1(off, kept), n_boot=10000),
-              "left_out_scored_off": {"n": len(spared), "passed": sum(off[k].reward >= 1 for k in spared)},
-              "users": {c: rollout.user_report(list(run.values())) for c, run in (("off", off), ("on", on))}}
+    r = {"episodes": len(off), "user_messages": {"off": turns_off, "on": turns_on},
+         "flags_off": shares(flags_off, turns_off), "flags_on": shares(flags_on, turns_on),
+         "mended_on": dict(mended), "left_out_on": dict(left_out), "ways": ways, "asked_again": len(sample),
+         "pass1": {c: {"pass1": s["pass^k"][1], "ci": s["ci"][1], "n": s["n_tasks"]} for c, s in summary.items()},
+         "paired_on_minus_off": ev.paired_difference(pass1(on, kept), pass1(off, kept), n_boot=10000),
+         "left_out_scored_off": {"n": len(spared), "passed": sum(off[k].reward >= 1 for k in spared)},
+         "users": {c: rollout.user_report(list(run.values())) for c, run in (("off", off), ("on", on))}}
     with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump(r, f, indent=1)
     at = {(task.id, len(messages)) for task, messages, _, _ in flagged}     # flagged: (task, index of the message - 1)
     passed = [(tasks[k[0]], off[k].messages[1:i], off[k].messages[i]["content"], "") for k in off
               for i in user_messages(off[k]) if (k[0], i - 1) not in at]
@@ -197,8 +202,8 @@ def main(argv=None):
     unflagged = random.Random(1).sample(passed, min(len(flagged), len(passed)))   # as many, to read for misses
     for_reading(os.path.join(args.out, "unflagged.jsonl"), unflagged)
     with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+        f.write(markdown(r))
+    return r
 
 
 def markdown(r: dict) -> str:

@@ -2,11 +2,13 @@
 breaks (a stop before the needed write, a fact the task does not hold, the agent's voice or template syntax, nothing);
 a flagged message is asked again, and an episode whose user still breaks is left out and counted, never scored as the
 agent's; no scripted persona trips it (the gold agent fast, the SFT agent slow); a scripted run is token for token
-what it was; and what the users cost is reported (rollout.user_report).
+what it was; what the users cost is reported (rollout.user_report); and scripts/user_check.py, which measures the
+check on a real LLM user, counts, resumes and reports what it ran.
 
 Run:  pytest tests/test_user_check.py            # ~1-2 min on 2 busy cores: the persona sweep is most of it
       pytest tests/test_user_check.py -m slow    # the SFT agent (runs/sft/adapter, or $MUA_RL_SFT_ADAPTER)
 """
+import json
 import math
 import os
 import random
@@ -270,3 +272,33 @@ def test_a_re_ask_sends_the_flagged_message_the_correction_and_a_seeded_higher_t
         {"role": "assistant", "content": "Yes. ###STOP###"}, {"role": "system", "content": U.CORRECTIONS["early_stop"]}]
     assert (again["temperature"], again["seed"]) == (U.AGAIN_TEMPERATURE, 2)
     assert plain["temperature"] == 0.0 and "seed" not in plain
+
+
+def test_the_measuring_script_counts_a_user_that_always_breaks_resumes_and_reports_only_finished_tasks(tok, tasks,
+                                                                                                      tmp_path):
+    """scripts/user_check.py on two tasks, the gold agent as its agent: the first task's user always speaks as the
+    agent at its first reply. Without the check that message is flagged afterwards; with it the episode is left out;
+    no way of asking again mends it (this server's break is always there). Run again, it reads its records back and
+    asks the server nothing; with --report-only, a task one run has not finished is not reported."""
+    from scripts import user_check as uc
+    two = tasks[:2]
+    with FaultServer(two, breaks={(two[0].id, 1): ("agent_voice", math.inf)}) as srv:
+        args = SimpleNamespace(user="openai:scripted", user_base_url=srv.url, user_timeout=5.0, retries=2, seed=0,
+                               out=str(tmp_path), shard=None, report_only=False, sample=0)
+        off, on = uc.run_arms(rollout.OracleAgent(tok), tok, two, args)
+        r = uc.report(two, off, on, args)
+        ran = srv.requests
+        again = uc.run_arms(rollout.OracleAgent(tok), tok, two, args)
+        assert srv.requests == ran and [t.token_ids for t in again[1].values()] == [t.token_ids for t in on.values()]
+        lines = (tmp_path / "on.jsonl").read_text().splitlines()
+        (tmp_path / "on.jsonl").write_text(lines[0] + "\n")            # the second task's run with the check: lost
+        args.report_only = True
+        assert [list(run) for run in uc.run_arms(rollout.OracleAgent(tok), tok, two, args)] == [[two[0].id]] * 2
+        assert srv.requests == ran
+    assert on[two[0].id].failed == "user_broke" and not on[two[1].id].failed and off[two[1].id].reward == 1.0
+    assert r["flags_off"]["agent_voice"]["turns_n"] == 1 and r["flags_off"]["any"]["episodes_n"] == 1
+    assert r["left_out_on"] == {"agent_voice": 1} and r["mended_on"] == {} and r["asked_again"] == 1
+    assert all(w["mended"] == 0 and w["still"] == {"agent_voice": 1} for w in r["ways"].values())
+    assert r["pass1"]["on"]["n"] == 1 and r["pass1"]["off"]["n"] == 2 and r["left_out_scored_off"]["n"] == 1
+    assert [json.loads(x)["reason"] for x in (tmp_path / "flagged.jsonl").read_text().splitlines()] == ["agent_voice"]
+    assert "| agent_voice | " in (tmp_path / "report.md").read_text()
