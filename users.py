@@ -565,10 +565,13 @@ CORRECTIONS = {   # the check's reasons, each with the line a re-ask adds to the
 AGAIN_TEMPERATURE = 0.7   # a re-ask's temperature (seeded by its attempt): at the user's own 0 it would say the same
 _SYNTAX = re.compile(r"<\|[^|>]*\|>|</?(tool_call|tool_response|tools|think)>|\[/?INST]|\"arguments\"\s*:|"
                      r"^\W*(system|assistant|user|agent|customer|human|ai|bot)\s*:", re.I | re.M)
-_AGENT_SAYS = re.compile("|".join((   # the agent's words: offering help, asking leave, asking for "your" facts, acting
+# the agent's words: offering help, asking leave, claiming its role ("I'm your agent", "as a customer-service agent,
+# I don't have ..."), asking for "your" facts, acting
+_AGENT_SAYS = re.compile("|".join((
     r"\bhow (can|may) i (help|assist)", r"\bwhat can i do for you", r"\b(happy|glad) to (help|assist)\b",
     r"\banything else (i|we) can\b", r"\b(would you like|do you want) me to\b", r"\bshall i\b", r"\bas an ai\b",
-    r"\bi('m| am) (\w+,? ){0,2}(a|an|your) (\w+[- ]){0,3}(agent|representative|assistant)\b|\blanguage model\b",
+    r"\b(i('m| am) (\w+,? ){0,2}(a|an|your)|as (a|an|your|the)) (\w+[- ]){0,3}(agent|representative|assistant)\b",
+    r"\blanguage model\b",
     r"\byour (email|user id|order (id|number)|reservation (id|number)|zip|payment method|date of birth)\b",
     r"\bi('ve| have) (successfully )?(cancell?ed|updated|changed|processed|booked|added|modified) (your|the)\b")), re.I)
 _VALUE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\$ ?\d[\d,]*(?:\.\d+)?|\b\d+\.\d\d\b|[#\w-]*\d[#\w-]*")

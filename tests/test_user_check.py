@@ -80,7 +80,9 @@ def test_a_value_the_task_does_not_hold_is_flagged_and_a_typo_or_an_echo_is_not(
                                   '<tool_call>{"name": "x", "arguments": {}}</tool_call>', "Hi! How can I help you today?",
                                   "Could you give me your email address?", "I have cancelled the order for you.",
                                   "Is there anything else I can help you with?", "I'm Noah Kim, a customer-service "
-                                  "agent. What can I do for you today?", "I'll be happy to help with any questions."])
+                                  "agent. What can I do for you today?", "I'll be happy to help with any questions.",
+                                  "I'm sorry, but as a customer-service agent, I don't have the ability to provide "
+                                  "user data."])
 def test_the_agents_voice_or_template_syntax_is_flagged(said):
     assert check(said, view("Please give me your email address.")) == "agent_voice"
 
@@ -91,6 +93,7 @@ def test_an_echo_of_the_agents_message_is_flagged_but_the_users_own_words_are_no
     assert check(ORDER.opening, view(ORDER.opening)) == ""           # the agent repeated the user; the user repeats itself
     assert check("I have changed my mind, keep it.", view(CONFIRM)) == ""
     assert check("I'm Noah, a returning customer.", view(CONFIRM)) == ""
+    assert check("As a loyal customer, I would like a refund.", view(CONFIRM)) == ""
 
 
 @pytest.mark.parametrize("said,reason", [("", "empty"), ("  ...  ", "empty"), (U.STOP, ""), ("Yes.", "")])
