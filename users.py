@@ -2,10 +2,9 @@
 
 A user gets its task (instruction, opening, hidden facts) and the agent's visible text, never the tools,
 the policy or the DB. One interface, User.first_message() / User.reply(messages), four implementations:
-  ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user); its personas
-                (--user scripted:NAME, the table PERSONAS) reveal, confirm and speak differently, split like
-                tasks: training ones (scripted:train draws one per conversation) and held-out ones no stage
-                trains on
+  ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user); its personas (--user
+                scripted:NAME, the table PERSONAS) reveal, confirm and speak differently, split like tasks: training
+                ones (scripted:train draws one per conversation) and held-out ones no stage trains on
   OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
   LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
@@ -565,9 +564,7 @@ CORRECTIONS = {   # the check's reasons, each with the line a re-ask adds to the
 AGAIN_TEMPERATURE = 0.7   # a re-ask's temperature (seeded by its attempt): at the user's own 0 it would say the same
 _SYNTAX = re.compile(r"<\|[^|>]*\|>|</?(tool_call|tool_response|tools|think)>|\[/?INST]|\"arguments\"\s*:|"
                      r"^\W*(system|assistant|user|agent|customer|human|ai|bot)\s*:", re.I | re.M)
-# the agent's words: offering help, asking leave, claiming its role ("I'm your agent", "as a customer-service agent,
-# I don't have ..."), asking for "your" facts, acting
-_AGENT_SAYS = re.compile("|".join((
+_AGENT_SAYS = re.compile("|".join((   # the agent's words: help offered, leave asked, its role, "your" facts, acts
     r"\bhow (can|may) i (help|assist)", r"\bwhat can i do for you", r"\b(happy|glad) to (help|assist)\b",
     r"\banything else (i|we) can\b", r"\b(would you like|do you want) me to\b", r"\bshall i\b", r"\bas an ai\b",
     r"\b(i('m| am) (\w+,? ){0,2}(a|an|your)|as (a|an|your|the)) (\w+[- ]){0,3}(agent|representative|assistant)\b",
