@@ -207,32 +207,43 @@ def group_advantages(rewards, group_size, eps=1e-4):
 
 # ---------------------------------------------------------------- 4. the update
 
-def grpo_update(model, optimizer, trajs, adv, args, pad_id, at_start=False):
-    """One GRPO update on the kept groups' rollouts (advantages adv, (N,)) in --mini-batches AdamW steps; log-probs
-    (b, T) per micro-batch j from plain_logprobs (--logprob-pass fast: common's, the same numbers). -> summed stats."""
-    micro = rollout.micro_batches([t.token_ids for t in trajs], [t.loss_mask for t in trajs], args.micro_batch, pad_id,
-                                  [getattr(t, "domain", None) for t in trajs], shortest_first=True, device=model.device)
-    if fast := args.logprob_pass == "fast":
-        micro = common.cut_shared_prefix(micro) if args.grad_checkpointing == "off" else micro
+def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False):
+    """One GRPO update on the kept groups' rollouts (advantages adv, (N,)) in --mini-batches AdamW steps, each on a
+    random subset of the rollouts (a shuffle seeded by `seed`: the same split on a rerun); inside a mini-batch its
+    rows are grouped by domain, shortest first, into micro-batches of --micro-batch, each domain's system prompt
+    passed once (--logprob-pass fast). Log-probs (b, T) per micro-batch from plain_logprobs (fast: common's, the
+    same numbers). -> summed stats."""
+    order = list(range(len(trajs)))
+    random.Random(seed).shuffle(order)
+    per_mini = math.ceil(len(order) / args.mini_batches)
+    minis = [order[s:s + per_mini] for s in range(0, len(order), per_mini)]     # rollout indices, one list an AdamW step
+    fast = args.logprob_pass == "fast"
     logprobs = common.shared_prefix_logprobs if fast else plain_logprobs
-    every, per = range(len(micro)), math.ceil(len(micro) / args.mini_batches)    # an AdamW step takes `per` of them
+    micro = []                                    # every mini-batch's micro-batches, MicroBatch.rows its own indices
+    for mini in minis:
+        m = rollout.micro_batches([trajs[i].token_ids for i in mini], [trajs[i].loss_mask for i in mini],
+                                  args.micro_batch, pad_id, [getattr(trajs[i], "domain", None) for i in mini],
+                                  shortest_first=True, device=model.device)
+        m = common.cut_shared_prefix(m) if fast and args.grad_checkpointing == "off" else m
+        micro.append([b._replace(rows=[mini[r] for r in b.rows]) for b in m])   # rows: indices into trajs and adv
     bf16 = torch.autocast(model.device.type, torch.bfloat16, enabled=args.train_bf16 == "on")
     with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
-        pi_old = [lp for _, lp in logprobs(model, micro, every, args.temperature)]
+        pi_old = [[lp for _, lp in logprobs(model, m, range(len(m)), args.temperature)] for m in micro]
     pi_ref = pi_old                # pi_ref, the frozen start (rollout.reference_policy): pi_old until RL's first step
     if not at_start:
         with torch.no_grad(), bf16, rollout.reference_policy(model):
-            pi_ref = [lp for _, lp in logprobs(model, micro, every, args.temperature)]
+            pi_ref = [[lp for _, lp in logprobs(model, m, range(len(m)), args.temperature)] for m in micro]
     total = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
-    for part in [every[s:s + per] for s in range(0, len(micro), per)]:
-        n_tokens, n_seqs = max(1, sum(int(micro[j].mask.sum()) for j in part)), sum(len(micro[j].rows) for j in part)
+    adv = adv.to(model.device)
+    for k, m in enumerate(micro):
+        n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in m)), sum(len(b.rows) for b in m)
         optimizer.zero_grad(set_to_none=True)
         with bf16:
-            for j, pi in logprobs(model, micro, part, args.temperature):   # pi, with grad: not pi_old from part 2 on
-                loss, st = grpo_loss(pi, pi_old[j], pi_ref[j], adv.to(model.device)[micro[j].rows], micro[j].mask,
+            for j, pi in logprobs(model, m, range(len(m)), args.temperature):   # pi, with grad: not pi_old from k = 1
+                loss, st = grpo_loss(pi, pi_old[k][j], pi_ref[k][j], adv[m[j].rows], m[j].mask,
                                      args.clip, args.kl_coef, args.loss_agg, n_tokens, n_seqs)
                 loss.backward()
-                total = {k: v + st.get(k, 0) for k, v in total.items()}
+                total = {key: v + st.get(key, 0) for key, v in total.items()}
         total["grad_norm"] += float(clip_grad_norm_(optimizer.param_groups[0]["params"], args.max_grad_norm))
         optimizer.step()
         total["updates"] += 1
@@ -315,7 +326,7 @@ def main(argv=None):
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
-                             at_start=not optimizer.state)
+                             seed=args.seed * 1_000_003 + step, at_start=not optimizer.state)
         m = step_metrics(step, drawn, kept, left, st, dict(rollout_s=None if args.rollouts else t_roll,
                                                            train_s=time.time() - t0 - t_roll), args.user_price)
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve

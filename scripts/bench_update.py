@@ -49,7 +49,7 @@ def bench_update(args, rows=4, prefix=1644, own=990):
                              ("bf16, no reference pass", "on", True)):
         t0 = time.time()
         grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(args), "train_bf16": bf16}), tok.pad_token_id,
-                    at_start=skip)
+                    seed=0, at_start=skip)
         dt = time.time() - t0
         if name != "warm-up":
             base = base or dt
@@ -122,7 +122,7 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
                            grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     t0 = time.time()
-    st = grpo_update(model, opt, trajs, adv, args, pad_id=0)
+    st = grpo_update(model, opt, trajs, adv, args, pad_id=0, seed=0)
     seconds = time.time() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     kv = kv_bytes_per_token(config, model.get_input_embeddings().weight.dtype)

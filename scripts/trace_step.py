@@ -117,8 +117,10 @@ def main(argv=None):
     adv = trace.run(rl.group_advantages, torch.tensor([t.reward for t in trajs]), 2)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     model.train()
-    first = "at_start" if "at_start" in inspect.signature(rl.grpo_update).parameters else "ref_is_policy"
-    trace.run(rl.grpo_update, model, optimizer, trajs, adv, args, tok.pad_token_id, **{first: True})
+    params = inspect.signature(rl.grpo_update).parameters       # older commits' names, so their step traces too
+    first = "at_start" if "at_start" in params else "ref_is_policy"
+    trace.run(rl.grpo_update, model, optimizer, trajs, adv, args, tok.pad_token_id,
+              **{first: True, **({"seed": 0} if "seed" in params else {})})
 
     lines = {f: trace.physical_lines(f) for f in trace.lines}
     rows = sorted(lines, key=lambda f: (f.startswith(WORLD), f))

@@ -197,12 +197,12 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    total = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    total = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     assert total["kl_sum"] == 0.0 and total["tokens"] == int(mask.sum()) and total["updates"] == 1
     assert total["grad_norm"] > 0
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)        # only the adapter trains
-    total2 = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    total2 = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     assert total2["kl_sum"] / total2["tokens"] > 0.0
 
 
@@ -226,11 +226,11 @@ def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
             return float((adv * (sequence_logprobs(model, ids, attn, mask) * mask).sum(1)).sum())
     before = score()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     after = score()
     print(f"sum adv * log p: {before:.4f} -> {after:.4f}")
     assert after > before + 1e-3
-    grpo_update(model, opt, trajs, -adv, ARGS, pad_id=2)    # the opposite rewards undo it
+    grpo_update(model, opt, trajs, -adv, ARGS, pad_id=2, seed=0)    # the opposite rewards undo it
     assert score() < after - 1e-3
 
 
@@ -267,11 +267,11 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     assert ref_before and not any(p.requires_grad for n, p in model.named_parameters() if ".ref." in n)
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    first = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    first = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     print(f"KL at the first update {first['kl_sum'] / first['tokens']:.2e} (adapter-off base: "
           f"{st['kl_sum'] / st['tokens']:.3f})")
     assert first["kl_sum"] / first["tokens"] < 1e-6
-    second = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2)
+    second = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     assert second["kl_sum"] / second["tokens"] > 1e-4
     assert all(torch.equal(p, ref_before[n]) for n, p in model.named_parameters() if ".ref." in n)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -291,7 +291,7 @@ def test_skipping_the_reference_pass_before_the_first_step_is_exact(tmp_path, mi
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
         st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": mini_batches}),
-                         pad_id=2, at_start=skip)
+                         pad_id=2, seed=0, at_start=skip)
         runs[skip] = st, [p.detach().clone() for p in params]
     (st_pass, w_pass), (st_skip, w_skip) = runs[False], runs[True]
     print(st_pass, st_skip)
@@ -316,7 +316,7 @@ def test_bf16_autocast_update_follows_the_fp32_one():
             torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
         before = [p.detach().clone() for p in params]
         grpo_update(model, torch.optim.SGD(params, lr=1.0), trajs, adv,
-                    SimpleNamespace(**{**vars(ARGS), "train_bf16": bf16}), pad_id=2)
+                    SimpleNamespace(**{**vars(ARGS), "train_bf16": bf16}), pad_id=2, seed=0)
         updates[bf16] = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)])
     cos = torch.nn.functional.cosine_similarity(updates["on"], updates["off"], dim=0)
     print(f"cosine(bf16 update, fp32 update) = {cos:.5f}")
@@ -380,13 +380,41 @@ def test_the_fast_pass_gives_the_plain_passs_update(mini_batches, domains, agg):
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)   # update = gradient
         args = SimpleNamespace(**{**vars(ARGS), "grad_checkpointing": ckpt, "mini_batches": mini_batches,
                                   "loss_agg": agg, "logprob_pass": how})
-        runs[how, ckpt] = grpo_update(model, opt, trajs, adv, args, pad_id=2), [p.detach().clone() for p in model.parameters()]
+        runs[how, ckpt] = grpo_update(model, opt, trajs, adv, args, pad_id=2, seed=0), [p.detach().clone() for p in model.parameters()]
     (st, w), others = runs["plain", "off"], [runs["fast", "on"], runs["fast", "off"]]
     print(st, [o[0] for o in others])
     for st_fast, w_fast in others:
         assert st_fast["tokens"] == st["tokens"] and st_fast["kl_sum"] == pytest.approx(st["kl_sum"], rel=1e-4)
         assert st_fast["grad_norm"] == pytest.approx(st["grad_norm"], rel=1e-4) and st["grad_norm"] > 0
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(w, w_fast))
+
+
+def test_each_mini_batch_is_a_seeded_random_subset_of_both_domains(monkeypatch):
+    """--mini-batches 2 on 12 rollouts given domain by domain (as micro-batches are ordered): each AdamW step trains
+    on rollouts of both domains, together all 12 once; the same seed splits them the same way, another seed not.
+    Each rollout's advantage is its own number, so the loss's calls say which rollouts each step saw."""
+    trajs = fake_trajs(12)
+    for i, t in enumerate(trajs):
+        t.domain = "retail" if i < 6 else "airline"
+    adv = torch.arange(1, 13) / 100                           # rollout i's advantage: (i + 1) / 100
+    loss = rl_module.grpo_loss
+
+    def split(seed):
+        seen = []                                             # per grpo_loss call, the rollouts of its micro-batch
+        monkeypatch.setattr(rl_module, "grpo_loss", lambda logp, old, ref, a, *rest: seen.append(
+            [round(x * 100) - 1 for x in a.tolist()]) or loss(logp, old, ref, a, *rest))
+        model = tiny_lora_model()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        steps, step = [], opt.step
+        opt.step = lambda *a, **kw: steps.append(len(seen)) or step(*a, **kw)    # the calls before each AdamW step
+        st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": 2}), 2, seed=seed)
+        assert st["updates"] == 2 and len(steps) == 2
+        return [sorted(i for rows in seen[a:b] for i in rows) for a, b in zip([0] + steps[:-1], steps)]
+    first = split(seed=5)
+    print(f"seed 5: {first}; seed 6: {split(seed=6)}")
+    assert sorted(first[0] + first[1]) == list(range(12)) and len(first[0]) == len(first[1]) == 6
+    assert all({trajs[i].domain for i in mini} == {"retail", "airline"} for mini in first)
+    assert split(seed=5) == first and split(seed=6) != first
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
@@ -401,7 +429,7 @@ def test_micro_batches_add_up_to_the_whole_batch(agg):
             torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
         before = [p.detach().clone() for p in params]
         opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
-        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "micro_batch": micro, "loss_agg": agg}), 2)
+        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "micro_batch": micro, "loss_agg": agg}), 2, 0)
         updates.append([p.detach() - b for p, b in zip(params, before)])
     assert max(u.abs().max().item() for u in updates[0]) > 1e-4
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*updates))
@@ -413,7 +441,7 @@ def test_mini_batches_make_ratio_depart_from_one():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
     args = SimpleNamespace(**{**vars(ARGS), "mini_batches": 2})
-    total = grpo_update(model, opt, trajs, adv, args, pad_id=2)
+    total = grpo_update(model, opt, trajs, adv, args, pad_id=2, seed=0)
     assert total["updates"] == 2
     assert total["clipped"] > 0                       # big lr: 2nd mini-batch sees ratio far from 1
 
