@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# MUA-RL's result on our default: K GRPO steps against the cold start, on users no stage trained on, as
+# pre-registered in docs/steps_preregistration.md (its settings, evaluation and bar are this script's).
+#   1. the cold start: python sft.py
+#   2. K steps of the CPU default, one rl.py process a step (each resumes the last; /usr/bin/time -v keeps each
+#      step's wall time and peak memory in <out>/rl/time-step-N.txt), each step's adapter kept as <out>/step-N
+#   3. the SFT adapter, step 1 and step K on 40 fresh held-out tasks (20 a domain, seed 31), greedy, paired task by
+#      task, under each held-out persona and under the training personas (one drawn per conversation)
+#   4. the bar, the tables and the curve: scripts/steps_report.py <out>
+# Each part is skipped when its output exists, so a rerun after a kill goes on where it stopped (sft.py and rl.py
+# resume from their checkpoints, eval.py from each agent and user it finished).
+# Run from the repository root:   bash scripts/steps.sh        (PYTHON=.venv/bin/python OUT=runs/steps K=4)
+#   SMOKE=1 bash scripts/steps.sh: every command in its --smoke form, K=2, OUT a temp dir (tests/test_steps.py)
+set -euo pipefail
+PY=${PYTHON:-.venv/bin/python}
+if [ -n "${SMOKE:-}" ]; then
+  OUT=${OUT:-$(mktemp -d)} K=${K:-2} SMOKE=--smoke N_TASKS=1
+else
+  OUT=${OUT:-runs/steps} K=${K:-4} SMOKE= N_TASKS=20
+fi
+done_() { [ -f "$1/adapter_config.json" ] && echo "skip: $1 exists"; }
+timed() { /usr/bin/time -v -o "$1" "${@:2}"; }      # $1: where the wall time and peak memory go
+
+mkdir -p "$OUT/rl"
+done_ "$OUT/sft/adapter" || timed "$OUT/time-sft.txt" "$PY" sft.py $SMOKE --out "$OUT/sft"
+for k in $(seq 1 "$K"); do
+  done_ "$OUT/step-$k" && continue
+  timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE --init "$OUT/sft/adapter" --steps "$k" --out "$OUT/rl"
+  cp -r "$OUT/rl/adapter" "$OUT/step-$k.tmp" && mv "$OUT/step-$k.tmp" "$OUT/step-$k"
+done
+agents="$OUT/sft/adapter,$OUT/step-1"
+[ "$K" -gt 1 ] && agents="$agents,$OUT/step-$K"
+"$PY" eval.py $SMOKE --agents "$agents" --user scripted:curious,scripted:literal,scripted:train \
+    --domains retail,airline --n-tasks $N_TASKS --seed 31 \
+    --paired-metric pass1,correct_state,finished,facts_asked,asked_first,turns --out "$OUT/eval"
+"$PY" scripts/steps_report.py "$OUT" "$K"
