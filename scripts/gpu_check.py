@@ -53,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
-PARTS = ("kernel", "update", "sampler", "decode", "rlstep", "stages")
+PARTS = ("exact", "kernel", "update", "sampler", "decode", "rlstep", "stages")
 MODEL_PARTS = ("update", "sampler", "decode", "rlstep")            # the parts that use the 8B-shaped model
 RL_TURNS, RL_GROUPS = 2, 4                                         # rlstep's shortening (above)
 KIT = ("bitsandbytes", "peft", "trl", "datasets", "dill", "multiprocess")     # what scripts/gpu_kit.sh carries
@@ -132,6 +132,138 @@ def check(part, name, ok, value):
     """A correctness check: recorded, printed, and a failure makes the run exit 1."""
     part["checks"].append(dict(name=name, ok=bool(ok), value=value))
     print(f"  check: {name}: {value} -> {'OK' if ok else 'FAILED'}", flush=True)
+
+
+# ----------------------------------------------------------------------------- exact
+
+EXACT_NEW = 48          # tokens a turn: with p(end of turn) 0.05 a step, rows outlive the host's looks at 16 and 32
+
+
+def tiny_policy(arch: str, vocab: int, eot: int, device):
+    """A tiny random Llama or Qwen3 in fp32 with LoRA (B non-zero, so the adapter changes what is sampled) whose
+    greedy turns end at different steps: the lm_head is scaled so the logits spread (std 2), and end-of-turn gets
+    the bias that makes it the argmax at ~1 step in 20 (the largest other logit is m0 on average: end-of-turn wins
+    when its own logit, std 2 around the bias, passes m0). The sampler then moves its live rows to smaller buckets."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiny_qwen3 import qwen3_config
+    torch.manual_seed(0)
+    config = qwen3_config(vocab) if arch == "qwen3" else LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    head = torch.nn.Linear(config.hidden_size, vocab, bias=True)
+    head.bias.data.zero_()
+    model.lm_head = head
+    with torch.no_grad():
+        logits = model(torch.randint(0, vocab, (4, 64))).logits.flatten(0, 1)       # (256, V)
+        head.weight.mul_(2.0 / logits.std())
+        m0 = (logits * 2.0 / logits.std()).max(-1).values.mean()
+        head.bias[eot] = m0 - 1.645 * 2.0                                            # P(Z > 1.645) = 0.05
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.to(device).eval()
+
+
+def counted(agent) -> list:
+    """Wrap agent.act to record, per round, the CUDA graphs its static decoder captured and the rows it moved to a
+    smaller bucket. -> the running list of (captures, moves) per round."""
+    from sampler.static import StaticDecoder
+    rounds, act, compact = [], agent.act, StaticDecoder._compact
+    moves = [0]
+
+    def move(self, *a):
+        moves[0] += 1
+        return compact(self, *a)
+
+    def act_counted(batch):
+        before = agent.static.captures if agent.static else 0
+        moves[0] = 0
+        StaticDecoder._compact = move
+        try:
+            outs = act(batch)
+        finally:
+            StaticDecoder._compact = compact
+        rounds.append((agent.static.captures - before, moves[0]))
+        return outs
+    agent.act = act_counted
+    return rounds
+
+
+def teacher_forced_gap(model, trajs, T: float) -> float:
+    """max |the sampler's log-prob - the model's log-prob of the same token on the final ids| over sampled tokens."""
+    gap = 0.0
+    for t in trajs:
+        ids = torch.tensor(t.token_ids, device=model.device)
+        at = torch.tensor(t.loss_mask[1:]).nonzero()[:, 0].to(model.device)      # token j + 1 predicted at j
+        with torch.no_grad():
+            logits = model(ids[None], logits_to_keep=at).logits[0].float()
+        logp = torch.log_softmax(logits / T, -1).gather(-1, ids[at + 1, None])[:, 0]
+        gap = max(gap, (logp.cpu() - torch.tensor(t.logprobs)[at.cpu() + 1]).abs().max().item())
+    return gap
+
+
+def part_exact(args, ctx, part):
+    """The static decode step against the plain sampler on the device, with CUDA graphs: tiny fp32 Llama and Qwen3
+    (TF32 off, so the two differ only by summation order), 4 tasks x 2 conversations, 2 rounds, turns ending at
+    different steps. Greedy, each sampling-weights mode gives the plain sampler's tokens; sampled at T = 1.1 every
+    log-prob equals a teacher-forced pass; 8 identical prompts at T = 1 do not all sample the same turn. On CUDA
+    every round is graphed (captures > 0, no graph error) and no graph is captured after the first round."""
+    from envs import ours
+    from rollout import ChatFormat, run_episodes
+    from sampler import ModelAgent, PlainAgent
+    cuda = not args.cpu
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    tok = ctx.tok
+    eot = ChatFormat(tok).end_of_turn_id
+    tasks = [t for d in ours.DOMAINS for t in ours.make_tasks(d, "train", 2)]
+    episodes = lambda agent, seed=1: run_episodes(agent, tok, tasks, group_size=2, max_turns=2,   # noqa: E731
+                                                  progress=False, seed=seed)
+    part["archs"] = {}
+    for arch in ("llama", "qwen3"):
+        model = tiny_policy(arch, len(tok), eot, ctx.device)
+        plain = episodes(PlainAgent(model, tok, 0.0, EXACT_NEW))
+        r = part["archs"][arch] = dict(turn_tokens=sorted({sum(t.loss_mask) for t in plain}))
+        for weights in ("nf4", "bf16"):
+            agent = ModelAgent(model, tok, temperature=0.0, max_new_tokens=EXACT_NEW, decode="static",
+                               sample_weights=weights)
+            rounds = counted(agent)
+            static = episodes(agent)
+            same = sum(a.token_ids == b.token_ids for a, b in zip(plain, static))
+            r[weights] = dict(same=same, rounds=rounds, graph_error=agent.static.graph_error)
+            print(f"  {arch} {weights}: greedy, {same} of {len(plain)} conversations token for token the plain "
+                  f"sampler's; per round (graphs captured, row moves) {rounds}", flush=True)
+            check(part, f"{arch} {weights}: greedy tokens = the plain sampler's", same == len(plain),
+                  f"{same} of {len(plain)}")
+            torch.manual_seed(0)
+            agent = ModelAgent(model, tok, temperature=1.1, max_new_tokens=EXACT_NEW, decode="static",
+                               sample_weights=weights)
+            gap = teacher_forced_gap(model, episodes(agent, seed=2), 1.1)
+            check(part, f"{arch} {weights}: sampled log-probs = a teacher-forced pass (T 1.1)", gap < 1e-4,
+                  f"max gap {gap:.1e}")
+            if cuda:
+                captured = [c for c, _ in rounds]
+                check(part, f"{arch} {weights}: every round graphed, none captured after the first",
+                      captured[0] > 0 and not sum(captured[1:]) and not agent.static.graph_error,
+                      agent.static.graph_error or f"captured per round {captured}")
+        torch.manual_seed(0)
+        agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=16, decode="static", sample_weights="nf4")
+        prompt = plain[0].token_ids[:plain[0].loss_mask.index(1)]
+        outs = agent.act([(None, plain[0].messages[:1], prompt)] * 8)
+        distinct = len({tuple(ids) for ids, _ in outs})
+        check(part, f"{arch}: 8 identical prompts at T = 1 sample different turns", distinct > 1,
+              f"{distinct} distinct of 8")
+        del model
+        ctx.free()
+
+
+def exact_rows(part):
+    return [(f"exact {arch}: plain's turn lengths; per round (graphs, moves) nf4 / bf16",
+             f"{r['turn_tokens'][:3]}..{r['turn_tokens'][-1]}; {r['nf4']['rounds']} / {r['bf16']['rounds']}", "")
+            for arch, r in part.get("archs", {}).items()]
 
 
 # ----------------------------------------------------------------------------- kernel
