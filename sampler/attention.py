@@ -24,7 +24,8 @@ prefill_new_turns
                under prefill_padded).
 kv_bytes_per_token, plan_waves
                what one token of cache costs, and how many rows to decode together so that their
-               cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB).
+               cache fits a budget (Qwen3-8B: 144 KiB a token; 256 rollouts x 6k tokens would be 220 GB);
+               wave_scratch, what a wave holds besides it.
 Tested in tests/test_rollout.py and tests/test_sampler.py (sampled log-probs == a teacher-forced recomputation;
 waves == one batch) and tests/test_kernels.py (packed prefill == attention over each whole row).
 """
@@ -322,36 +323,37 @@ def sampler_scratch(config, dtype: torch.dtype, context: int, own: int, packed: 
     return per_row, per_token, max(I, heads * head_dim) * H * b
 
 
+def wave_scratch(b: int, L: int, prefix: int, scratch: tuple[float, float, float]) -> float:
+    """What a wave of b rows, the longest with L own tokens, holds besides its decode buffer and the copies of its
+    rows' caches, in tokens of cache: the shared prefix (its keys/values and their copy in the decode buffer's
+    reach), the row being prefilled, and scratch (sampler_scratch: per row, per prefill token, once); its longest
+    prefill forward takes the shared prefix, or at most PREFILL_TOKENS of its b rows' L own tokens each."""
+    prefill = max(prefix, L, min(PREFILL_TOKENS, b * L))
+    return 2 * prefix + L + b * scratch[0] + prefill * scratch[1] + scratch[2]
+
+
 def plan_waves(own: list[int], prefix: int, room: int, budget: int | None,
-               scratch: tuple[float, float, float] = (0, 0, 0), decode=None) -> tuple[list[list[int]], bool]:
+               scratch: tuple[float, float, float] = (0, 0, 0), fits=None, held: int = 0) -> tuple[list[list[int]], bool]:
     """(waves, keep): rows (indices) in waves to decode one after the other, each fitting `budget` cache
     tokens (None: no limit), and whether the rows' caches may be kept for the next round.
     own[i]: row i's tokens after the `prefix` tokens all rows share; room: tokens a row may still sample.
-    A wave of b rows, the longest with L own tokens, holds the shared prefix (once), the row being
-    prefilled (prefix + L) and the (b, L + room) decode buffer. If all rows fit in one wave with as much
-    again for the copies of their caches kept for the next round: one wave, in order, keep. Else no
-    copies (keep False), and the waves take the longest rows first, so a wave pads little.
-    A row that alone exceeds the budget still gets a wave of its own. scratch: (per row, per prefill token, once)
-    in tokens of cache, what a wave allocates beside its keys/values (sampler_scratch), counted too; its longest
-    prefill forward takes the shared prefix, or at most PREFILL_TOKENS of its b rows' L own tokens each.
-    decode(b, n): the tokens of the decode buffer of b rows of n tokens, when it is one buffer reused from wave to wave
-    (the static decoder's, rounded up to its buckets): a wave then holds the largest of the round so far. None: each
-    wave's own (b, n) KVBuffer."""
-    held = 0                                    # the reused buffer, as large as the round's waves so far needed
-
-    def cost(b, L, copies):
-        prefill = max(prefix, L, min(PREFILL_TOKENS, b * L))
-        buffer = max(held, decode(b, L + room)) if decode else b * (L + room)
-        return 2 * prefix + L + b * scratch[0] + prefill * scratch[1] + scratch[2] + buffer + copies * b * (L + room)
-    if budget is None or not own or cost(len(own), max(own), 1) <= budget:
+    A wave of b rows, the longest with L own tokens, holds wave_scratch and its (b, L + room) decode buffer. If all
+    rows fit in one wave with as much again for the copies of their caches kept for the next round: one wave, in
+    order, keep. Else no copies (keep False), and the waves take the longest rows first, so a wave pads little.
+    A row that alone exceeds the budget still gets a wave of its own.
+    fits(b, n): when the decode buffer is one buffer of `held` tokens made for the run (the static decoder's Layout),
+    whether a wave of b rows of n tokens fits in it; every wave then holds that buffer. None: each wave its own."""
+    def ok(b, L, copies):
+        buffer = held if fits else b * (L + room)
+        return (budget is None or wave_scratch(b, L, prefix, scratch) + buffer + copies * b * (L + room) <= budget) \
+            and (fits is None or fits(b, L + room))
+    if not own or ok(len(own), max(own), 1):
         return [list(range(len(own)))], True
     waves = []
     for i in sorted(range(len(own)), key=lambda i: -own[i]):
-        if waves and cost(len(waves[-1]) + 1, own[waves[-1][0]], 0) <= budget:   # its first row is its longest
+        if waves and ok(len(waves[-1]) + 1, own[waves[-1][0]], 0):   # its first row is its longest
             waves[-1].append(i)
         else:
-            if waves and decode:
-                held = max(held, decode(len(waves[-1]), own[waves[-1][0]] + room))
             waves.append([i])
     return waves, False
 

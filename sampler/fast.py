@@ -17,8 +17,9 @@ from transformers.cache_utils import Cache
 
 from rollout import ChatFormat
 from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
-                               prefill_new_turns, sampler_scratch, token_batches, token_slice, weight_major_linear)
-from sampler.static import free_memory, static_decoder, unsupported
+                               prefill_new_turns, sampler_scratch, token_batches, token_slice, wave_scratch,
+                               weight_major_linear)
+from sampler.static import Layout, cols_bucket, free_memory, rows_bucket, static_decoder, unsupported
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -55,7 +56,7 @@ class ModelAgent:
 
     def __init__(self, model, tokenizer, temperature: float = 1.0, max_new_tokens: int = 256,
                  kv_budget: int | None = None, thinking: bool = False, merge_lora: bool = True, decode: str = "auto",
-                 sample_weights: str = "auto"):
+                 sample_weights: str = "auto", max_context: int | None = None):
         self.model, self.tok, self.fmt = model, tokenizer, ChatFormat(tokenizer, thinking)
         self.merge_lora = merge_lora               # eager: sample with the LoRA delta in the weights (lora_merged)
         if decode not in ("auto", "eager", "static"):
@@ -64,6 +65,7 @@ class ModelAgent:
             "static" if model.device.type == "cuda" and not unsupported(model) else "eager"
         self.sample_weights, self.static = sample_weights, None     # static: its StaticDecoder, from the first act()
         self.temperature, self.max_new_tokens, self.kv_budget = temperature, max_new_tokens, kv_budget
+        self.max_context = max_context            # the longest conversation the run holds: the static buffer's rows
         self.memo, self.version = [], None    # [(token ids (n,), per layer: consecutive (k, v) pieces)]
         self.waves, self.keeps_rows = [], True   # the last act()'s waves (row indices); were the rows' caches kept
 
@@ -135,12 +137,15 @@ class ModelAgent:
         scratch = sampler_scratch(self.model.config, dtype, max(map(len, rows)) + self.max_new_tokens, max(own),
                                   packed=self.model.device.type == "cpu")     # as prefill_new_turns picks
         per_token = kv_bytes_per_token(self.model.config, dtype)
-        scratch, buffer = [x / per_token for x in scratch], None
-        if self.static:                               # its decode buffer, reused from wave to wave, and its prefix copy
-            scratch[2] += self.static.prefix_tokens(sum(p for _, p in groups))
-            buffer = self.static.decode_tokens
-        self.waves, self.keeps_rows = plan_waves(own, sum(p for _, p in groups), self.max_new_tokens,
-                                                 self.budget_tokens(), scratch, buffer)
+        scratch, budget, prefix = [x / per_token for x in scratch], self.budget_tokens(), sum(p for _, p in groups)
+        if self.static:                               # its buffers, made for the run (one copy of the shared prefixes)
+            layout = self._static_layout(own, prefix, scratch, budget)
+            self.static.prepare(layout)
+            scratch[2] += self.static.layout.prefix
+            self.waves, self.keeps_rows = plan_waves(own, prefix, self.max_new_tokens, budget, scratch,
+                                                     self.static.layout.fits, self.static.layout.tokens)
+        else:
+            self.waves, self.keeps_rows = plan_waves(own, prefix, self.max_new_tokens, budget, scratch)
         if not self.keeps_rows:                       # keep only the shared prefixes' entries
             self.memo = [m for m in self.memo if len(m[0]) <= max(P)]
         for idx, p in groups:                         # each group's shared prefix: prefilled once, remembered
@@ -159,6 +164,29 @@ class ModelAgent:
         if self.keeps_rows:
             self.memo = memo
         return outs
+
+    def _static_layout(self, own: list[int], prefix: int, scratch: list[float], budget: int | None) -> Layout:
+        """The static decoder's buffers for this round, sized for the run: every row up to the run's longest
+        conversation (max_context; unknown: twice this round's longest); with no KV budget, this round's rows in one
+        wave, the rows times that length of token slots; within a budget, the waves planned as if each had a buffer
+        of its own: the largest wave's rows, and as many token slots as the budget leaves beside the largest wave's
+        scratch, never fewer than the largest wave needs."""
+        room = self.max_new_tokens
+        max_cols = cols_bucket(self.max_context or 2 * (max(own) + room))
+        prefix_cols = cols_bucket(max(prefix, 1))
+        rows = rows_bucket(len(own))
+        if budget is None:
+            tokens = rows * max_cols
+        else:
+            with_copy = [scratch[0], scratch[1], scratch[2] + prefix_cols]
+            waves, _ = plan_waves(own, prefix, room, budget, with_copy)
+            longest = [max(own[i] for i in w) for w in waves]
+            rows = max(rows_bucket(len(w)) for w in waves)
+            need = max(rows_bucket(len(w)) * cols_bucket(L + room) for w, L in zip(waves, longest))
+            spare = budget - max(wave_scratch(len(w), L, prefix, with_copy) for w, L in zip(waves, longest))
+            tokens = min(rows * max_cols, max(need, int(spare) // cols_bucket(1) * cols_bucket(1)))
+        return Layout(rows=rows, tokens=tokens, max_cols=max(max_cols, cols_bucket(max(own) + room)),
+                      prefix=prefix_cols, room=room)
 
     def _prefill_wave(self, rows: list[torch.Tensor], P: list[int], gid: list[int]):
         """Prefill each row after what the memo holds, straight into a decode cache. Row i continues the

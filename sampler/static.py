@@ -1,42 +1,48 @@
 """sampler/static.py: a decode step whose shapes are fixed and which never asks the host, so that on a GPU it is one
-CUDA graph a token. The same tokens as sampler/plain.py (tests/test_static_decode.py); sampler.ModelAgent decodes
-with it on CUDA (decode="static"), and its prefill stays eager and chunked (sampler/fast.py).
+CUDA graph a token, captured once per rows bucket for the run. The same tokens as sampler/plain.py
+(tests/test_static_decode.py); sampler.ModelAgent decodes with it on CUDA (decode="static"), and its prefill stays
+eager and chunked (sampler/fast.py).
 
 Why. The eager decode step of the 8B NF4 sampler launched ~1,000 kernels from Python and asked the host which rows
 had finished after every token: 72% of a 64-row round had no kernel running, the 4-bit matmuls took 4%
-(docs/gpu.md). Here
-  - every row's keys/values sit in one preallocated buffer, the wave's rows bucket x its length bucket, left-padded
-    as sampler.attention.KVBuffer and reused from wave to wave; the shared system prompts' keys/values sit in
-    another, read once a step for all rows;
-  - the token each row feeds, its position, the column it is written to, the stop flags, and the sampled tokens
-    with their log-probs are device tensors (StepState) that the step updates in place;
-  - sampling is on the device: a draw from softmax(logits / T) by the Gumbel-max trick (the argmax of log p plus
-    Gumbel noise -log E, E ~ Exp(1), is a draw from p), the argmax at T = 0, and the drawn token's log-prob;
-  - decode_step calls no .item(), .tolist(), .cpu(), nonzero or boolean index (tests/test_static_decode.py fails
-    if one is added), so on CUDA it is captured once per (rows bucket, length bucket, prefix bucket, T) as a CUDA
-    graph and replayed. On CPU it runs eagerly, the same code.
+(docs/gpu.md). Here, as nano-vllm does it:
+  - one keys/values buffer for the run (Layout): a flat block of token slots per layer that a rows bucket b views as
+    (b, kv_heads, cols(b), head_dim), cols(b) = its slots / b, at most the run's longest row. It is made once, as
+    large as the KV budget leaves, and grown only when a round needs more rows or a longer row than it holds;
+    the shared system prompts' keys/values sit in another, read once a step for all rows;
+  - a row's length, its shared prefix and its stop live in device tensors (StepState: positions, the column each
+    row writes, masks, stop flags, the temperature and the end token), never in a shape: so the graph of a rows
+    bucket serves every round, every length and every prefix width. Sampling is on the device: a draw from
+    softmax(logits / T) by the Gumbel-max trick (the argmax of log p plus Gumbel noise -log E, E ~ Exp(1), is a
+    draw from p), the argmax at T = 0, and the drawn token's log-prob;
+  - decode_step calls no .item(), .tolist(), .cpu(), nonzero or boolean index (tests/test_static_decode.py fails if
+    one is added). On CUDA the step of every rows bucket is captured when the buffer is made, largest first, into
+    one memory pool, before any row is in it; the capture seconds are counted (captures, capture_s). On CPU the same
+    code runs eagerly, and graph_keys records what would have been captured.
 The host looks at the stop flags once every CHECK_EVERY steps: it ends the wave when every row is done, and moves
 the live rows to the front of a smaller rows bucket when they fit one.
 
 decode_step is a Llama / Qwen3 decoder layer written out over the model's own modules: RMSNorm, the q/k/v
-projections, Qwen3's per-head q/k RMSNorm, rotary, attention over [shared prefix ; own keys], o, RMSNorm, the SwiGLU
-MLP; then the final norm and lm_head.
+projections as one call, Qwen3's per-head q/k RMSNorm, rotary, attention over [shared prefix ; own keys] with fp32
+scores (two attentions that each return their log-sum-exp, merged: the trainer's SDPA does not round its scores to
+bf16 either), o, RMSNorm, gate and up as one call, the SwiGLU, down; then the final norm and lm_head.
 
 Sampling weights (sample_weights; the seven projections of each layer, the rest is the model's own):
-  bf16  a dense copy of each projection in the compute dtype (bf16 on a GPU) with the LoRA delta merged,
-        W + s B A summed in fp32 and rounded once: exact up to one rounding. W is the weight the model multiplies
-        by (bitsandbytes' NF4 dequantized as its forward does), so no second copy of the base is kept: each refresh
-        dequantizes it again, in place, once a round at most (when an optimizer step changed the weights). One
-        matmul a projection; 2 bytes a weight more (Qwen3-8B: 12.9 GiB).
-  nf4   the model's own projection modules, bitsandbytes NF4 with --load-in-4bit and peft's LoRA unmerged (its two
-        small matmuls inside the graph): no copy, the fit for a 24 GiB card.
+  bf16  a dense copy in the compute dtype (bf16 on a GPU) with the LoRA delta merged, W + s B A summed in fp32 and
+        rounded once: exact up to one rounding; q, k and v one weight, gate and up another (4 matmuls a layer). W is
+        the weight the model multiplies by (bitsandbytes' NF4 dequantized as its forward does), so no second copy of
+        the base is kept: each refresh dequantizes it again, in place, once a round at most (when an optimizer step
+        changed the weights). 2 bytes a weight more (Qwen3-8B: 12.9 GiB).
+  nf4   the model's own base layers (bitsandbytes NF4 with --load-in-4bit), and the LoRA adapter beside them in one
+        small matmul pair a group (q/k/v, gate/up, o, down): the A matrices stacked, the B matrices (times the
+        scale) block-diagonal, refreshed in place like bf16's copy. No copy of the base: the fit for a 24 GiB card.
   auto  bf16 where the copy, the update's reserve and the KV budget fit the free memory, else nf4 (choose_weights).
 """
 import math
 import sys
 import time
 import weakref
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,29 +50,50 @@ import torch.nn.functional as F
 from sampler.attention import KVBuffer
 
 CHECK_EVERY = 16            # decode steps between two looks of the host at the stop flags
-ROWS_STEP, COLS_STEP = 8, 128   # rows buckets: 1, 2, 4, then multiples of 8; length buckets: multiples of 128
-BUFFER_STEP = 1.25          # the keys/values buffer comes in sizes 1.25x apart, so that nearby waves share one
+ROWS_STEP, COLS_STEP = 16, 128   # rows buckets: 1, 2, 4, 8, then multiples of 16; columns: multiples of 128
 MIN_KV_BF16 = 8 * 2**30     # auto with an automatic KV budget: bf16 only if it leaves this much for keys/values
 WEIGHTS = ("auto", "bf16", "nf4")
 
 
 def rows_bucket(n: int) -> int:
-    return n if n <= 2 else 4 if n <= 4 else -(-n // ROWS_STEP) * ROWS_STEP
+    return n if n <= 2 else 4 if n <= 4 else 8 if n <= 8 else -(-n // ROWS_STEP) * ROWS_STEP
+
+
+def rows_buckets(rows: int) -> list[int]:
+    """Every rows bucket up to rows' own, largest first: the graphs a buffer of that many rows captures."""
+    small = [b for b in (1, 2, 4, 8) if b <= rows]
+    return sorted(set(small + list(range(ROWS_STEP, rows_bucket(rows) + 1, ROWS_STEP))), reverse=True)
 
 
 def cols_bucket(n: int) -> int:
     return -(-n // COLS_STEP) * COLS_STEP
 
 
-def buffer_tokens(tokens: int) -> int:
-    """The size of keys/values buffer that holds `tokens` (rows x columns): 1024 x BUFFER_STEP^k tokens."""
-    k = math.ceil(math.log(max(tokens, 1024) / 1024, BUFFER_STEP) - 1e-9)
-    return math.ceil(1024 * BUFFER_STEP ** k)
-
-
 def free_memory(device) -> int:
     """Bytes a CUDA device can still give: what the driver has free, plus what torch holds unused."""
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+class Layout(NamedTuple):
+    """The run's buffers: `tokens` slots of keys/values a layer for the rows' own parts, at most `rows` rows, no row
+    longer than `max_cols`; `prefix` columns for the shared prefixes; `room` tokens a turn. Rows bucket b sees the
+    slots as (b, cols(b)): fewer rows, longer rows."""
+    rows: int
+    tokens: int
+    max_cols: int
+    prefix: int
+    room: int
+
+    def cols(self, b: int) -> int:
+        return min(self.max_cols, self.tokens // b // COLS_STEP * COLS_STEP)
+
+    def fits(self, rows: int, n: int) -> bool:
+        """Does a wave of `rows` rows of at most n tokens (own part + room) fit?"""
+        b = rows_bucket(rows)
+        return b <= self.rows and cols_bucket(n) <= self.cols(b)
+
+    def holds(self, other: "Layout") -> bool:
+        return all(a >= b for a, b in zip(self, other))
 
 
 # ----------------------------------------------------------------------------- the sampling weights
@@ -89,46 +116,100 @@ def dense_weight(base) -> torch.Tensor:
     return bnbf.dequantize_4bit(data, state)
 
 
-class MergedLinear:
-    """bf16 mode's projection: y = x W^T + bias with one dense weight in the compute dtype, the active LoRA adapters'
-    deltas merged in. refresh() rewrites W in place, so captured graphs read the new weights."""
+def lora_parts(module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """The (A (r, in), B (out, r), scale) of each active LoRA adapter of a peft layer; none while adapters are
+    disabled, merged into the base, or the module is a plain layer."""
+    if not hasattr(module, "lora_A") or module.disable_adapters or module.merged:
+        return []
+    if getattr(module, "lora_variant", None):
+        raise NotImplementedError("the static decode step takes plain LoRA only (no DoRA or other variants)")
+    return [(module.lora_A[n].weight, module.lora_B[n].weight, module.scaling[n]) for n in module.active_adapters
+            if n in module.lora_A]
 
-    def __init__(self, module, dtype: torch.dtype):
-        base = base_of(module)
-        if getattr(module, "lora_variant", None):
-            raise NotImplementedError("sample_weights='bf16' merges plain LoRA only (no DoRA or other variants)")
-        self.module, self.bias = module, None if base.bias is None else base.bias.detach().to(dtype)
-        self.weight = torch.empty(base.out_features, base.in_features, dtype=dtype, device=base.weight.device)
+
+class Merged:
+    """bf16 mode: one or more projections that read the same input as one matmul with one dense weight in the compute
+    dtype (their weights stacked), each with its active LoRA deltas merged. refresh() rewrites it in place, so
+    captured graphs read the new weights. -> the projections' outputs."""
+
+    def __init__(self, modules: list, dtype: torch.dtype):
+        bases = [base_of(m) for m in modules]
+        self.modules, self.sizes = modules, [b.out_features for b in bases]
+        self.weight = torch.empty(sum(self.sizes), bases[0].in_features, dtype=dtype, device=bases[0].weight.device)
+        biases = [b.bias for b in bases]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(n, device=self.weight.device) if b is None else b.detach() for b, n in zip(biases, self.sizes)]
+        ).to(dtype)
         self.refresh()
 
+    @torch.no_grad()
     def refresh(self):
         """W + sum of s B A over the active adapters, summed in fp32, rounded once into the copy."""
-        m = self.module
-        w = dense_weight(base_of(m)).float()
-        if hasattr(m, "lora_A") and not m.disable_adapters and not m.merged:    # merged: already in the base
-            for name in m.active_adapters:
-                if name in m.lora_A:
-                    w = w + m.scaling[name] * (m.lora_B[name].weight.float() @ m.lora_A[name].weight.float())
-        self.weight.copy_(w)
+        for m, rows in zip(self.modules, self.weight.split(self.sizes)):
+            w = dense_weight(base_of(m)).float()
+            for A, B, s in lora_parts(m):
+                w = w + s * (B.float() @ A.float())
+            rows.copy_(w)
 
-    def __call__(self, x):
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x) -> tuple:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, -1)
+
+
+class BaseAndLoRA:
+    """nf4 mode: one or more projections that read the same input, each through its own base layer (bitsandbytes
+    NF4, unmerged), and their LoRA adapters in two matmuls: x A_all^T with every adapter's A stacked (sum r, in),
+    then B_all, every s B block-diagonal (sum out, sum r): zeros off the blocks add exactly nothing. refresh() copies
+    the adapters in place (zeros while they are disabled). -> the projections' outputs, each added to as peft adds
+    (in the adapter's dtype, then back)."""
+
+    def __init__(self, modules: list):
+        self.modules, self.bases = modules, [base_of(m) for m in modules]
+        self.sizes = [b.out_features for b in self.bases]
+        self.ranks = [sum(m.lora_A[n].weight.shape[0] for n in m.active_adapters if n in m.lora_A)
+                      if hasattr(m, "lora_A") else 0 for m in modules]
+        like = next((m.lora_A[n].weight for m in modules if hasattr(m, "lora_A") for n in m.active_adapters
+                     if n in m.lora_A), None)
+        self.A = None if like is None else like.new_zeros(sum(self.ranks), self.bases[0].in_features)
+        self.B = None if like is None else like.new_zeros(sum(self.sizes), sum(self.ranks))
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self):
+        if self.A is None:
+            return
+        self.A.zero_()
+        self.B.zero_()
+        r0, o0 = 0, 0
+        for m, size, rank in zip(self.modules, self.sizes, self.ranks):
+            r = r0
+            for A, B, s in lora_parts(m):
+                self.A[r:r + A.shape[0]].copy_(A)
+                self.B[o0:o0 + size, r:r + A.shape[0]].copy_(s * B.float())
+                r += A.shape[0]
+            if r not in (r0, r0 + rank):               # the shapes are fixed for the run
+                raise RuntimeError("a LoRA adapter's rank changed under the static decoder: make a new ModelAgent")
+            r0, o0 = r0 + rank, o0 + size
+
+    def __call__(self, x) -> tuple:
+        outs = [base(x) for base in self.bases]
+        if self.A is None:
+            return tuple(outs)
+        delta = F.linear(F.linear(x.to(self.A.dtype), self.A), self.B).split(self.sizes, -1)
+        return tuple((o + d).to(o.dtype) for o, d in zip(outs, delta))
 
 
 class Projections(NamedTuple):
-    """One layer's seven projections as the step calls them: modules (nf4) or MergedLinear (bf16)."""
-    q: Callable
-    k: Callable
-    v: Callable
-    o: Callable
-    gate: Callable
-    up: Callable
-    down: Callable
+    """One layer's projections as the step calls them, each -> a tuple of outputs."""
+    qkv: object
+    o: object
+    gate_up: object
+    down: object
 
 
-def layer_modules(layer) -> tuple:
+def layer_groups(layer) -> list[list]:
+    """A layer's projections grouped by the input they read: [q, k, v], [o], [gate, up], [down]."""
     a, m = layer.self_attn, layer.mlp
-    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+    return [[a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj]]
 
 
 def copy_bytes(model) -> int:
@@ -136,7 +217,7 @@ def copy_bytes(model) -> int:
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     size = lm.get_input_embeddings().weight.element_size()
     return sum(base_of(m).out_features * base_of(m).in_features * size
-               for layer in lm.model.layers for m in layer_modules(layer))
+               for layer in lm.model.layers for group in layer_groups(layer) for m in group)
 
 
 def choose_weights(model, kv_budget: int | None, reserve: int) -> str:
@@ -154,35 +235,48 @@ def choose_weights(model, kv_budget: int | None, reserve: int) -> str:
 # ----------------------------------------------------------------------------- the step
 
 class StepState:
-    """The decode step's device tensors for at most `rows` rows, a shared prefix of at most `prefix` columns and
-    `room` sampled tokens; the step updates them in place, so a replayed graph carries on from where it stopped.
+    """The decode step's device tensors for at most `rows` rows, `prefix` shared-prefix columns and `room` sampled
+    tokens; the step updates them in place, so a replayed graph carries on from where it stopped.
       tok (rows,)            the token each row feeds next; after a step, the one it sampled
       pos (rows,)            that token's position
       start (rows,)          the first column of the row's own keys (own parts are left-padded to the wave's L)
       done (rows,) bool      sampled end-of-turn (or a padding row)
       prefix_bias (rows, P)  0 where a row sees a shared-prefix key (its group's), -inf elsewhere
+      has_prefix (rows,) bool    the row continues a shared prefix (a row alone has none)
       out_tok, out_lp (rows, room)   the sampled tokens and their log-probs, token t in column t
       col (1,)               the column the fed token's keys/values go to: L + t - 1
-      t (1,)                 the index of the token the step samples"""
-    NAMES = ("tok", "pos", "start", "done", "prefix_bias", "out_tok", "out_lp", "col", "t")
+      t (1,)                 the index of the token the step samples
+      inv_t (1,), greedy (1,) bool, eot (1,)    1 / T (1 at T = 0), T == 0, and the end-of-turn token"""
+    NAMES = ("tok", "pos", "start", "done", "prefix_bias", "has_prefix", "out_tok", "out_lp", "col", "t", "inv_t",
+             "greedy", "eot")
 
     def __init__(self, rows: int, prefix: int, room: int, device):
         long = dict(dtype=torch.long, device=device)
         self.tok, self.pos, self.start = (torch.zeros(rows, **long) for _ in range(3))
         self.done = torch.ones(rows, dtype=torch.bool, device=device)
         self.prefix_bias = torch.full((rows, prefix), float("-inf"), device=device)
+        self.has_prefix = torch.zeros(rows, dtype=torch.bool, device=device)
         self.out_tok, self.out_lp = torch.zeros(rows, room, **long), torch.zeros(rows, room, device=device)
-        self.col, self.t = torch.zeros(1, **long), torch.zeros(1, **long)
+        self.col, self.t, self.eot = (torch.zeros(1, **long) for _ in range(3))
+        self.inv_t = torch.ones(1, device=device)
+        self.greedy = torch.ones(1, dtype=torch.bool, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.NAMES]
 
+    def sample_at(self, T: float, eot: int):
+        self.inv_t.fill_(1.0 / T if T else 1.0)
+        self.greedy.fill_(T == 0)
+        self.eot.fill_(eot)
 
-def sample_tokens(logits: torch.Tensor, T: float):
-    """logits (b, V) fp32 -> (tokens (b,), their log-probs under softmax(logits / T)), T = 0 greedy, all on the
-    device. A draw: argmax(log p - log E), E ~ Exp(1) (Gumbel-max; torch's exponential_ never returns 0)."""
-    logp = torch.log_softmax(logits / (T or 1.0), -1)
-    tok = logits.argmax(-1) if T == 0 else (logp - torch.empty_like(logp).exponential_().log()).argmax(-1)
+
+def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, greedy: torch.Tensor):
+    """logits (b, V) fp32 -> (tokens (b,), their log-probs under softmax(logits / T)), all on the device, T a tensor
+    (inv_t = 1 / T; greedy: T = 0, the argmax of the logits themselves). A draw: argmax(log p - log E), E ~ Exp(1)
+    (Gumbel-max; torch's exponential_ never returns 0)."""
+    logp = torch.log_softmax(logits * inv_t, -1)
+    drawn = logp - torch.empty_like(logp).exponential_().log()
+    tok = torch.where(greedy, logits, drawn).argmax(-1)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -192,32 +286,41 @@ def rotate(x, cos, sin):
     return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
 
 
-def attention(attn, p: Projections, h, cos, sin, kv, prefix, own_bias, prefix_bias, col):
+def attend(q, k, v, bias, scale):
+    """Softmax attention with fp32 scores and its log-sum-exp: q (B, H, M, hd), k, v (B, H, N, hd), bias in q's dtype
+    added to the scores (0 seen, -inf not): (B or 1, 1, M, N) on CPU, (B, H, M, N) on CUDA. -> (out (B, H, M, hd), lse (B, H, M) fp32). The fused kernels keep
+    the scores in fp32, as the trainer's SDPA does: CPU flash attention, CUDA memory-efficient attention."""
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+        return out, lse[..., :q.shape[2]]           # the kernel pads the log-sum-exps' last dim
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)[:2]
+
+
+def attention(attn, p: Projections, h, cos, sin, kv, prefix, own_bias, prefix_bias, has_prefix, col):
     """One layer's attention for one new token a row. h (b, 1, hidden); kv: the rows' own (K, V), each
-    (b, kv_heads, S, hd), the new token's keys/values written at column col; prefix: (PK, PV) each (kv_heads, Pb, hd),
-    every group's shared prefix one after another; own_bias (b, S), prefix_bias (b, Pb): 0 where a key is seen,
-    -inf where not. Scores against both are concatenated before one softmax: attention over [prefix ; own].
-    -> (b, 1, hidden) after o_proj."""
+    (b, kv_heads, S, hd), the new token's keys/values written at column col; prefix: (PK, PV) each (kv_heads, P, hd),
+    every group's shared prefix one after another; own_bias (b, 1, 1, S), prefix_bias (1, 1, b * group, P): 0 where
+    a key is seen, -inf where not. The rows' queries attend the prefix in one call and their own keys in another,
+    merged by their log-sum-exps: o = o1 + (o2 - o1) sigmoid(lse2 - lse1), softmax attention over [prefix ; own]
+    with its denominator split in two (a row with no prefix takes o2). -> (b, 1, hidden) after o_proj."""
     (K, V), (PK, PV) = kv, prefix
     b, D, kvh = h.shape[0], attn.head_dim, K.shape[1]
-    q = p.q(h).view(b, 1, -1, D)
-    k = p.k(h).view(b, 1, kvh, D)
+    q, k, v = p.qkv(h)
+    q, k = q.view(b, 1, -1, D), k.view(b, 1, kvh, D)
     if hasattr(attn, "q_norm"):                     # Qwen3: RMSNorm over each head's q and k
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)   # (b, heads / kv_heads, 1, hd)
     K.index_copy_(2, col, k)
-    V.index_copy_(2, col, p.v(h).view(b, 1, kvh, D).transpose(1, 2))
+    V.index_copy_(2, col, v.view(b, 1, kvh, D).transpose(1, 2))
     g = q.shape[1] // kvh
     q = q.reshape(b, kvh, g, D)                      # query heads grouped by the kv head they share
-    s_own = q @ K.transpose(2, 3)                    # (b, kvh, g, S)
-    qk = q.permute(1, 0, 2, 3).reshape(kvh, b * g, D)
-    s_prefix = (qk @ PK.transpose(1, 2)).view(kvh, b, g, -1).permute(1, 0, 2, 3)    # (b, kvh, g, Pb): PK read once
-    scores = torch.cat([s_prefix.float() + prefix_bias[:, None, None], s_own.float() + own_bias[:, None, None]], -1)
-    w = torch.softmax(scores * attn.scaling, -1).to(V.dtype)
-    Pb = PK.shape[1]
-    w_prefix = w[..., :Pb].permute(1, 0, 2, 3).reshape(kvh, b * g, Pb)
-    out = (w_prefix @ PV).view(kvh, b, g, D).permute(1, 0, 2, 3) + w[..., Pb:] @ V     # (b, kvh, g, hd)
-    return p.o(out.reshape(b, 1, -1))
+    o2, lse2 = attend(q, K, V, own_bias, attn.scaling)                                   # (b, kvh, g, hd), (b, kvh, g)
+    qp = q.permute(1, 0, 2, 3).reshape(1, kvh, b * g, D)                                 # every row's queries at once
+    o1, lse1 = attend(qp, PK[None], PV[None], prefix_bias, attn.scaling)                 # the prefix read once
+    o1, lse1 = o1.view(kvh, b, g, D).transpose(0, 1), lse1.view(kvh, b, g).transpose(0, 1)
+    w = torch.sigmoid(lse2 - lse1)[..., None]
+    out = torch.where(has_prefix[:, None, None, None], o1 + (o2 - o1) * w.to(o1.dtype), o2)
+    return p.o(out.reshape(b, 1, -1).to(h.dtype))[0]
 
 
 class Body(NamedTuple):
@@ -229,29 +332,33 @@ class Body(NamedTuple):
     head: torch.nn.Module
 
 
-def decode_step(body: Body, proj: list[Projections], kv, prefix, st: StepState, b: int, T: float, eot: int):
+def decode_step(body: Body, proj: list[Projections], kv, prefix, st: StepState, b: int):
     """One token for rows [:b]: feed st.tok at st.pos, write its keys/values at column st.col, sample the next token
     into st.tok, st.out_tok[:, t], st.out_lp[:, t], and mark a row done when it is end-of-turn. kv: per layer the
-    rows' (K, V), each (b, kv_heads, S, hd); prefix: per layer (PK, PV), each (kv_heads, Pb, hd). Every shape is
-    fixed by (b, S, Pb) and nothing reads a value back to the host: one CUDA graph."""
+    rows' (K, V), each (b, kv_heads, S, hd); prefix: per layer (PK, PV), each (kv_heads, P, hd). Every shape is
+    fixed by b (the Layout fixes S and P for the run) and nothing reads a value back to the host: one CUDA graph."""
     tok, pos = st.tok[:b], st.pos[:b]
-    S = kv[0][0].shape[2]
+    S, P = kv[0][0].shape[2], prefix[0][0].shape[1]
     x = body.embed(tok)[:, None]                                    # (b, 1, hidden)
     cos, sin = body.rotary(x, pos[:, None])                         # (b, 1, hd) each
+    kvh, g, dtype = kv[0][0].shape[1], body.layers[0].self_attn.num_key_value_groups, kv[0][0].dtype
     cols = torch.arange(S, device=tok.device)
     seen = (cols >= st.start[:b, None]) & (cols <= st.col)          # (b, S): the row's own keys up to the new one
-    own_bias = torch.zeros(b, S, device=tok.device).masked_fill_(~seen, float("-inf"))
-    prefix_bias = st.prefix_bias[:b, :prefix[0][0].shape[1]]
+    own_bias = torch.zeros(b, 1, 1, S, dtype=dtype, device=tok.device).masked_fill_(~seen[:, None, None], float("-inf"))
+    prefix_bias = st.prefix_bias[:b, None, :P].expand(b, g, P).reshape(1, 1, b * g, P).to(dtype)   # as the queries
+    if tok.device.type == "cuda":           # the memory-efficient kernel takes a bias of the scores' own shape
+        own_bias, prefix_bias = own_bias.expand(b, kvh, g, S).contiguous(), prefix_bias.expand(1, kvh, b * g, P).contiguous()
+    has_prefix = st.has_prefix[:b]
     for layer, p, layer_kv, layer_prefix in zip(body.layers, proj, kv, prefix):
         x = x + attention(layer.self_attn, p, layer.input_layernorm(x), cos, sin, layer_kv, layer_prefix, own_bias,
-                          prefix_bias, st.col)
-        h = layer.post_attention_layernorm(x)
-        x = x + p.down(layer.mlp.act_fn(p.gate(h)) * p.up(h))
+                          prefix_bias, has_prefix, st.col)
+        gate, up = p.gate_up(layer.post_attention_layernorm(x))
+        x = x + p.down(layer.mlp.act_fn(gate) * up)[0]
     logits = body.head(body.norm(x))[:, 0].float()                  # (b, V)
-    new, lp = sample_tokens(logits, T)
+    new, lp = sample_tokens(logits, st.inv_t, st.greedy)
     st.out_tok[:b].index_copy_(1, st.t, new[:, None])
     st.out_lp[:b].index_copy_(1, st.t, lp[:, None])
-    st.done[:b].logical_or_(new == eot)
+    st.done[:b].logical_or_(new == st.eot)
     tok.copy_(new)
     pos.add_(1)
     st.col.add_(1)
@@ -278,7 +385,7 @@ _decoders = weakref.WeakKeyDictionary()          # model -> its StaticDecoder: o
 
 def static_decoder(model, weights: str = "auto", kv_budget: int | None = None, reserve: int = 0) -> "StaticDecoder":
     """The model's StaticDecoder with these sampling weights (auto: choose_weights), made once and shared by every
-    agent of the model (rl.py's sampler and its held-out one), so the bf16 copy exists once."""
+    agent of the model (rl.py's sampler and its held-out one), so the bf16 copy and the buffers exist once."""
     if weights not in WEIGHTS:
         raise ValueError(f"sample_weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if weights == "auto":
@@ -292,8 +399,8 @@ def static_decoder(model, weights: str = "auto", kv_budget: int | None = None, r
 
 
 class StaticDecoder:
-    """decode_step over one model, its buffers and its CUDA graphs. sample() does ModelAgent._sample's job.
-    weights: "bf16" | "nf4" (see the module's docstring)."""
+    """decode_step over one model, the run's buffers (a Layout) and a CUDA graph a rows bucket. prepare() sizes the
+    buffers before a round; sample() does ModelAgent._sample's job. weights: "bf16" | "nf4" (the module's docstring)."""
 
     def __init__(self, model, weights: str):
         if unsupported(model):
@@ -301,141 +408,132 @@ class StaticDecoder:
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.weights, self.device = weights, model.device
         self.body = Body(lm.model.embed_tokens, lm.model.rotary_emb, lm.model.layers, lm.model.norm, lm.lm_head)
-        dtype = lm.get_input_embeddings().weight.dtype
-        self.proj = [Projections(*(MergedLinear(m, dtype) if weights == "bf16" else m for m in layer_modules(layer)))
-                     for layer in lm.model.layers]
-        self.lora = [m for layer in lm.model.layers for m in layer_modules(layer) if hasattr(m, "lora_A")]
-        self.params = [p for layer in self.proj for m in layer for p in
-                       (m.module if isinstance(m, MergedLinear) else m).parameters()]
+        dtype = self.dtype = lm.get_input_embeddings().weight.dtype      # the compute dtype: the keys/values'
+        config = lm.config
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.proj = [Projections(*(Merged(group, dtype) if weights == "bf16" else BaseAndLoRA(group)
+                                   for group in layer_groups(layer))) for layer in lm.model.layers]
+        self.lora = [m for layer in lm.model.layers for group in layer_groups(layer) for m in group
+                     if hasattr(m, "lora_A")]
+        self.params = [p for layer in lm.model.layers for group in layer_groups(layer) for m in group
+                       for p in m.parameters()]
         self.signature = self._signature()
-        self.kv = self.prefix = self.state = None       # the buffers, made by the first wave
+        self.layout = self.kv = self.prefix = self.state = None     # the buffers, made by prepare()
         self.graphs, self.pool = {}, None
-        self.new_round = True
-        self.captures, self.capture_s = 0, 0.0        # CUDA graphs captured and the seconds it took (the GPU check)
+        self.graph_keys = []                           # every graph captured (on CPU: that would have been), in order
+        self.captures, self.capture_s = 0, 0.0         # CUDA graphs captured and the seconds it took (the GPU check)
         self.graph_error = None                        # why a capture failed: the step then runs without graphs
 
     # -- the weights follow the model's
     def _signature(self):
-        """(the projections' parameter versions: an optimizer step bumps them; each LoRA layer's adapter state and
-        parameter addresses: what a captured peft forward read)."""
+        """(the projections' parameter versions: an optimizer step bumps them; each LoRA layer's adapter state)."""
         return (sum(p._version for p in self.params),
-                tuple((m.disable_adapters, m.merged, tuple(m.active_adapters),
-                       tuple(p.data_ptr() for p in m.parameters())) for m in self.lora))
+                tuple((m.disable_adapters, m.merged, tuple(m.active_adapters)) for m in self.lora))
 
     def begin_round(self):
-        """Before a round: bf16's copy rewritten if the weights changed; nf4's graphs dropped if an adapter was
-        switched (the captured peft forward took the branch of the old state)."""
-        self.new_round = True
+        """Before a round: the sampling weights rewritten in place if the model's changed (an optimizer step, another
+        adapter made active): the captured graphs read them by address, so they stay."""
         signature = self._signature()
-        if signature == self.signature:
-            return
-        if self.weights == "bf16":
+        if signature != self.signature:
             for layer in self.proj:
-                for m in layer:
-                    m.refresh()
-        elif signature[1] != self.signature[1]:
-            self._drop_graphs()
+                for group in layer:
+                    group.refresh()
         self.signature = signature
 
     def held_bytes(self) -> int:
         """The buffers this decoder holds and reuses (not bf16's copy)."""
         return sum(t.numel() * t.element_size() for t in [self.kv, self.prefix] if t is not None)
 
-    def decode_tokens(self, rows: int, n: int) -> int:
-        """The buffer a wave of `rows` rows of n tokens (own part + room) takes, in tokens: plan_waves' decode."""
-        return buffer_tokens(rows_bucket(rows) * cols_bucket(n))
+    # -- the buffers and graphs, once for the run
+    def prepare(self, want: Layout):
+        """Make the buffers hold `want`: nothing if they do, else they are made anew, at least as large as before in
+        every way, and every rows bucket's step captured. Called before a round's prefill, so no row is in the
+        buffer while the graphs' warm-up steps write to it."""
+        old = self.layout
+        if old is not None and old.holds(want):
+            return
+        if old is not None:
+            want = Layout(*(max(a, b) for a, b in zip(old, want)))
+        self.layout = self.kv = self.prefix = self.state = None    # the old buffers go before the new are made
+        self._drop_graphs()
+        layers, kvh, hd, like = len(self.proj), self.kv_heads, self.head_dim, dict(dtype=self.dtype, device=self.device)
+        # zeros: padding is masked, but 0 * NaN would still be NaN
+        self.kv = torch.zeros(2, layers, want.tokens * kvh * hd, **like)
+        self.prefix = torch.zeros(2, layers, kvh, want.prefix, hd, **like)
+        self.state = StepState(want.rows, want.prefix, want.room, self.device)
+        self.layout = want
+        for b in rows_buckets(want.rows):             # largest first: the smaller graphs reuse the pool's memory
+            self._capture(b)
 
-    def prefix_tokens(self, prefix: int) -> int:
-        """The shared prefixes' copy the step reads (once a step for all rows), in tokens."""
-        return max(cols_bucket(max(prefix, 1)), 0 if self.prefix is None else self.prefix.shape[-2])
+    def views(self, b: int) -> tuple[list, list]:
+        """Rows bucket b's view of the buffers: per layer the rows' (K, V), each (b, kv_heads, cols(b), hd), and the
+        prefixes' (PK, PV), each (kv_heads, P, hd)."""
+        S, kvh, hd = self.layout.cols(b), self.prefix.shape[2], self.prefix.shape[4]
+        own = self.kv[..., :b * kvh * S * hd].view(2, len(self.proj), b, kvh, S, hd)
+        return ([(own[0, i], own[1, i]) for i in range(len(self.proj))],
+                [(self.prefix[0, i], self.prefix[1, i]) for i in range(len(self.proj))])
 
-    # -- buffers
     def wave_buffers(self, rows: int, like: torch.Tensor, L: int, room: int) -> list[KVBuffer]:
-        """The wave's decode cache, per layer a KVBuffer over one buffer kept from wave to wave:
-        rows_bucket(rows) rows (the ones past `rows` are padding) of cols_bucket(L + room) columns. The buffer is
-        sized by the round's first wave and grows for a larger one (as plan_waves counts it); a new one drops the
-        graphs, which read the old."""
-        b, S, layers, kvh, hd = rows_bucket(rows), cols_bucket(L + room), len(self.proj), like.shape[1], like.shape[3]
-        need = self.decode_tokens(rows, L + room) * kvh * hd
-        if self.kv is None or need > self.kv.shape[-1] or (self.new_round and need != self.kv.shape[-1]):
-            self.kv = None                             # the old buffer goes before the new one is made
-            self._drop_graphs()
-            self.kv = like.new_zeros(2, layers, need)  # zeros: padding is masked, but 0 * NaN would still be NaN
-        self.new_round = False
-        view = self.kv[..., :b * kvh * S * hd].view(2, layers, b, kvh, S, hd)
-        return [KVBuffer(b, like, L, S - L, storage=(view[0, i], view[1, i])) for i in range(layers)]
+        """The wave's decode cache, per layer a KVBuffer over rows bucket rows_bucket(rows)'s view of the buffer (the
+        rows past `rows` are padding), each row's own part left-padded to L, then room."""
+        b = rows_bucket(rows)
+        kv, _ = self.views(b)
+        return [KVBuffer(b, like, L, k.shape[2] - L, storage=(k, v)) for k, v in kv]
 
-    def _load_prefixes(self, prefixes: dict, gid: list[int], like: torch.Tensor) -> tuple[int, dict]:
-        """Every group's shared prefix one after another into self.prefix (2, layers, kv_heads, cap, hd) ->
-        (Pb, {group: its first column})."""
-        groups = [g for g in dict.fromkeys(gid) if prefixes[g] is not None]
-        total = sum(prefixes[g][0][0].shape[2] for g in groups)
-        Pb = cols_bucket(max(total, 1))
-        if self.prefix is None or self.prefix.shape[-2] < Pb:
-            self.prefix, self.state = None, None
-            self._drop_graphs()
-            self.prefix = like.new_zeros(2, len(self.proj), like.shape[1], Pb, like.shape[3])
+    def _load_prefixes(self, prefixes: dict, gid: list[int]) -> dict:
+        """Every group's shared prefix one after another into self.prefix -> {group: its first column}."""
         offset, first = 0, {}
-        for g in groups:
+        for g in [g for g in dict.fromkeys(gid) if prefixes[g] is not None]:
             P = prefixes[g][0][0].shape[2]
             for i, (k, v) in enumerate(prefixes[g]):
                 self.prefix[0, i, :, offset:offset + P], self.prefix[1, i, :, offset:offset + P] = k[0], v[0]
             first[g], offset = offset, offset + P
-        return Pb, first
-
-    def _state(self, rows: int, room: int) -> StepState:
-        st = self.state
-        if st is None or st.tok.shape[0] < rows or st.out_tok.shape[1] < room:
-            self.state = None
-            self._drop_graphs()
-            self.state = StepState(max(rows, 0 if st is None else st.tok.shape[0]), self.prefix.shape[-2],
-                                   max(room, 0 if st is None else st.out_tok.shape[1]), self.device)
-        return self.state
+        return first
 
     # -- the step, eager or replayed
     def _drop_graphs(self):
-        """The graphs read the buffers by address: a new buffer, or a peft forward captured in another adapter state,
-        makes them stale. Their memory pool goes with them."""
+        """The graphs read the buffers by address: new buffers make them stale. Their memory pool goes with them."""
         self.graphs, self.pool = {}, None
 
-    def _step(self, views, b: int, T: float, eot: int):
-        kv, prefix = views
-        run = lambda: decode_step(self.body, self.proj, kv, prefix, self.state, b, T, eot)   # noqa: E731
-        if self.device.type != "cuda" or self.graph_error:
-            return run()
-        key = (b, kv[0][0].shape[2], prefix[0][0].shape[1], T, eot)
-        graph = self.graphs.get(key)
-        if graph is None:
-            try:
-                graph = self._capture(key, run)
-            except RuntimeError as e:    # the capture failed: go on without graphs (a failing step raises again)
-                self.graph_error = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"sampler/static.py: capturing the decode step as a CUDA graph failed ({self.graph_error}); "
-                      "decoding without graphs", file=sys.stderr, flush=True)
-                return run()
-        graph.replay()
+    def _step(self, b: int):
+        if b in self.graphs:
+            self.graphs[b].replay()
+        else:                                          # CPU, or a capture that failed
+            decode_step(self.body, self.proj, *self.views(b), self.state, b)
 
-    def _capture(self, key, run):
-        """Capture one step as a CUDA graph. A warm-up run on a side stream first (lazy initialisation must not
-        happen inside a capture), the state put back after it. All graphs share one memory pool: the step's results
-        go to the decoder's own tensors, so no graph holds pool memory once its replay ends."""
+    def _capture(self, b: int):
+        """Capture rows bucket b's step as a CUDA graph (CPU: only recorded in graph_keys). A warm-up run on a side
+        stream first (lazy initialisation must not happen inside a capture), the state put back after it. All graphs
+        share one memory pool: the step's results go to the decoder's own tensors, so no graph holds pool memory once
+        its replay ends. A capture that fails is said once, and the step runs without graphs."""
+        self.graph_keys.append(b)
+        if self.device.type != "cuda" or self.graph_error:
+            return
         t0 = time.perf_counter()
-        saved = [x.clone() for x in self.state.tensors()]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            run()
-            for x, y in zip(self.state.tensors(), saved):
-                x.copy_(y)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            run()
+        run = lambda: decode_step(self.body, self.proj, *self.views(b), self.state, b)   # noqa: E731
+        try:
+            saved = [x.clone() for x in self.state.tensors()]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                run()
+                for x, y in zip(self.state.tensors(), saved):
+                    x.copy_(y)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                run()
+        except RuntimeError as e:
+            self.graph_error = f"{type(e).__name__}: {str(e)[:300]}"
+            self._drop_graphs()
+            print(f"sampler/static.py: capturing the decode step as a CUDA graph failed ({self.graph_error}); "
+                  "decoding without graphs", file=sys.stderr, flush=True)
+            return
         self.pool = self.pool or graph.pool()
-        self.graphs[key] = graph
+        self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.captures, self.capture_s = self.captures + 1, self.capture_s + time.perf_counter() - t0
-        return graph
 
     # -- a wave
     @torch.no_grad()
@@ -444,32 +542,30 @@ class StaticDecoder:
         parts left-padded to L; prefixes: {group: per layer (k, v) (1, kv_heads, P, hd), or None}; logits (B, V) of
         each row's last token) until each samples end-of-turn or `room` tokens. -> ([(new ids, log-probs)] per row,
         if remember, memo entries: each row's ids + sampled tokens but the last, with their keys/values)."""
-        B, dev = len(rows), logits.device
+        B, dev, st = len(rows), logits.device, self.state
         layer0 = cache.layers[0]
-        Bb, S, L = layer0.k.shape[0], layer0.k.shape[2], layer0.n
-        Pb, first = self._load_prefixes(prefixes, gid, layer0.k)
-        st = self._state(Bb, room)
+        Bb, L = layer0.k.shape[0], layer0.n
+        first = self._load_prefixes(prefixes, gid)
         own_len = [len(r) - p for r, p in zip(rows, P)]
-        tok, lp = sample_tokens(logits, T)                       # the first token, from the prefill's logits
+        st.sample_at(T, eot)
+        tok, lp = sample_tokens(logits, st.inv_t, st.greedy)    # the first token, from the prefill's logits
         st.tok[:Bb], st.done[:Bb] = eot, True                    # padding rows: done from the start
         st.tok[:B], st.done[:B] = tok, tok == eot
         st.pos[:B] = torch.tensor([len(r) for r in rows], device=dev)
         st.start[:Bb] = L
         st.start[:B] = torch.tensor([L - n for n in own_len], device=dev)
         st.prefix_bias.fill_(float("-inf"))
+        st.has_prefix.fill_(False)
         for i, g in enumerate(gid):
             if prefixes[g] is not None:
                 st.prefix_bias[i, first[g]:first[g] + prefixes[g][0][0].shape[2]] = 0
+                st.has_prefix[i] = True
         st.out_tok[:B, 0], st.out_lp[:B, 0] = tok, lp
         st.col.fill_(L)
         st.t.fill_(1)
-        kv = [(layer.k, layer.v) for layer in cache.layers]
-        pre = [(self.prefix[0, i, :, :Pb], self.prefix[1, i, :, :Pb]) for i in range(len(kv))]
-
-        def views(b):                                            # the first b rows of everything the step reads
-            return [(k[:b], v[:b]) for k, v in kv], pre
         slots: list = list(range(B)) + [None] * (Bb - B)         # slot j holds row slots[j]; None: done or padding
         b, outs, memo = Bb, [None] * B, [None] * B
+        kv = self.views(b)[0]
 
         def collect(js, n):                                      # rows in slots js are done, n tokens sampled so far
             if not js:
@@ -486,7 +582,6 @@ class StaticDecoder:
                                                                  v[j:j + 1, :, own].clone())]
                                 for shared, (k, v) in zip(prefixes[gid[i]] or [None] * len(kv), kv)])
                 slots[j] = None
-        step_views = views(b)
         for s in range(1, room):
             if s % CHECK_EVERY == 0:                             # the host's look at the stop flags
                 done = st.done[:b].tolist()
@@ -495,23 +590,25 @@ class StaticDecoder:
                 if not live:
                     break
                 if rows_bucket(len(live)) < b:                   # move the live rows to the front, a smaller bucket
-                    b = self._compact(kv, st, live, rows_bucket(len(live)))
+                    b, kv = self._compact(kv, live, rows_bucket(len(live)))
                     slots = [slots[j] for j in live] + [None] * (b - len(live))
-                    step_views = views(b)
-            self._step(step_views, b, T, eot)
+            self._step(b)
         else:
             s = room
         collect([j for j in range(b) if slots[j] is not None], s)
         return list(outs), memo if remember else []
 
-    def _compact(self, kv, st: StepState, live: list[int], b: int) -> int:
-        """Rows `live` (ascending) to slots 0.., one layer at a time (a temporary of one layer's live rows);
-        the slots after them up to b become padding. -> b."""
-        idx = torch.tensor(live, device=st.tok.device)
-        n = len(live)
-        for k, v in kv:
-            k[:n], v[:n] = k[idx], v[idx]
-        for x in (st.tok, st.pos, st.start, st.done, st.prefix_bias, st.out_tok, st.out_lp):
+    def _compact(self, kv, live: list[int], b: int):
+        """Rows `live` (ascending) of the current bucket's view kv to slots 0.. of bucket b's view, whose rows are
+        longer and laid out anew in the same storage: one layer's live rows through a temporary at a time. The slots
+        after them up to b become padding. -> (b, bucket b's view of the rows' keys/values)."""
+        st, idx = self.state, torch.tensor(live, device=self.device)
+        n, S = len(live), kv[0][0].shape[2]
+        new = self.views(b)[0]
+        for (k, v), (k2, v2) in zip(kv, new):
+            moved_k, moved_v = k[idx], v[idx]                    # (n, kv_heads, S, hd): copies, before any write
+            k2[:n, :, :S], v2[:n, :, :S] = moved_k, moved_v
+        for x in (st.tok, st.pos, st.start, st.done, st.prefix_bias, st.has_prefix, st.out_tok, st.out_lp):
             x[:n] = x[idx]
         st.done[n:b] = True
-        return b
+        return b, new
