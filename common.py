@@ -92,6 +92,18 @@ def fail(flag: str, message: str):
     raise SystemExit(2)
 
 
+def say_memory_plan(args, config, card: int, lora_r: int = 16):
+    """On a GPU, before the model loads: the run's memory plan, one line (sampler/memory.py); one line naming the
+    way out and exit 2 when it cannot fit a card of `card` bytes."""
+    from sampler import ModelAgent
+    from sampler.memory import memory_plan
+    line, error = memory_plan(config, card, args.load_in_4bit, args.sample_weights, int(args.kv_budget * 2**30) or None,
+                              args.max_context, lora_r, ModelAgent.KV_RESERVE)
+    print(line, flush=True)
+    if error:
+        fail("memory", error)
+
+
 def add_run_args(p: Parser, out: str, smoke: str, tracker: bool = False):
     """--seed, --out, --smoke and --preset: how every stage is started; with tracker (rl.py) --report-to."""
     g = p.group("run")

@@ -217,7 +217,7 @@ def build_agent(spec: str, args):
         model = rollout.load_adapter(model, adapter)
     model.eval()
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
-                               args.thinking, args.sample_weights)
+                               args.thinking, args.sample_weights, max_context=args.max_context)
     return agent, tok, spec
 
 
@@ -597,6 +597,9 @@ def resume_key(args) -> dict:
 def main(argv=None):
     args = parse_args(argv)                 # bad input: one line, exit 2, before anything loads
     common.start_run(args, args.out)
+    if torch.cuda.is_available():           # the memory plan, before anything loads; one that cannot fit stops
+        common.say_memory_plan(args, rollout.model_config(args.model or rollout.DEFAULT_MODEL),
+                               torch.cuda.get_device_properties(0).total_memory)
     os.makedirs(os.path.join(args.out, "done"), exist_ok=True)
     tasks = envs.held_out_tasks(args.domains.split(","), args.n_tasks, args.tiers.split(","), args.seed)
     user_specs, metrics, results = args.user.split(","), args.paired_metric.split(","), {}

@@ -296,6 +296,9 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, agg="to
 def main(argv=None):
     args = parse_args(argv)                       # bad input: one line, exit 2, before anything loads
     common.start_run(args, args.out, may_change=RESUME_FREE)   # as must a folder holding a run of other settings
+    if torch.cuda.is_available():                 # the memory plan, before anything loads; one that cannot fit stops
+        common.say_memory_plan(args, rollout.model_config(args.model or rollout.DEFAULT_MODEL),
+                               torch.cuda.get_device_properties(0).total_memory, args.lora_r)
     model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL, load_in_4bit=args.load_in_4bit)
     model = rollout.load_policy(model, args.init, os.path.join(args.out, "reference"), args.lora_r, args.lora_alpha,
                                 resuming=bool(common.checkpoints(args.out)))   # start_run checked --init is the run's
@@ -312,7 +315,7 @@ def main(argv=None):
     heldout = [t for d in domains for t in    # the curve's: held-out tasks past those eval.py's CPU preset reports
                envs.make_tasks(d, "test", args.eval_skip + args.eval_tasks, tiers, args.seed)[args.eval_skip:]]
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
-                               args.thinking, args.sample_weights)
+                               args.thinking, args.sample_weights, max_context=args.max_context)
     make_user, tracker = common.user_factory(args, model, tok), common.tracker(args)   # users; --report-to
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
         log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args)), tracker)
@@ -347,7 +350,7 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
     seconds; heldout_pass1 is the first user's, the training user's."""
     t0, specs = time.time(), args.eval_users.split(",")
     agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking,
-                               args.sample_weights)
+                               args.sample_weights, max_context=args.max_context)
     model.eval()
     trajs = rollout.run_episodes(agent, tok, tasks * len(specs), max_turns=args.max_turns, seed=args.seed,
                                  user=[common.user_factory(args, model, tok, u) for u in specs for _ in tasks],

@@ -74,6 +74,12 @@ def _smollm2_cache() -> str:
     return path
 
 
+def model_config(name: str = DEFAULT_MODEL):
+    """The model's config alone, before its weights load (the GPU memory plan)."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(_smollm2_cache() if name == DEFAULT_MODEL else name)
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(_smollm2_cache() if name == DEFAULT_MODEL else name)

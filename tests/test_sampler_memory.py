@@ -73,3 +73,40 @@ def test_the_old_arithmetic_went_over_the_same_budget(qwen3, tok, monkeypatch):
     print(f"old arithmetic: {[len(w) for w in agent.waves]} rows a wave, peak {peak / MiB:.2f} MiB "
           f"= {peak / budget:.0%} of the {budget / MiB:.0f} MiB budget")
     assert peak > budget
+
+
+def qwen3_8b():
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+
+
+def test_the_memory_plan_of_qwen3_8b_fits_a_24_gib_card_with_nf4_and_refuses_what_cannot_fit(capsys):
+    """The plan rl.py prints on a GPU before the model loads (sampler/memory.py), for Qwen3-8B's config on a simulated
+    24 GiB card at the GPU preset's 8k context: weights 5.82 GiB (the H100's measured 5.82), nf4 sampling weights
+    (bf16's 12.94 GiB copy would not leave the update its reserve), a round's keys/values in the 12 GiB left, and
+    the update's 6 GiB reserve: it fits. bf16 sampling weights there, or a KV budget of 20 GiB, cannot: one line
+    naming the way out, exit 2 (common.say_memory_plan, as rl.py calls it)."""
+    from types import SimpleNamespace
+
+    import common
+    from sampler import ModelAgent
+    from sampler.memory import memory_plan
+    GiB = 2**30
+    config, reserve = qwen3_8b(), ModelAgent.KV_RESERVE
+    line, error = memory_plan(config, 24 * GiB, True, "auto", None, 8192, 16, reserve)
+    print(line)
+    assert error is None and "weights 5.82 GiB" in line and "sampling copy 0.00 (nf4)" in line
+    assert "KV budget 12.18 (auto)" in line and line.endswith("= 24.00 GiB")
+    line80, _ = memory_plan(config, 80 * GiB, True, "auto", None, 8192, 16, reserve)
+    assert "sampling copy 12.94 (bf16)" in line80                    # an 80 GiB card takes the copy (docs/gpu.md)
+    args = SimpleNamespace(load_in_4bit=True, sample_weights="nf4", kv_budget=8.0, max_context=8192)
+    common.say_memory_plan(args, config, 24 * GiB)
+    for change, way_out in ((dict(sample_weights="bf16", kv_budget=0.0), "use --sample-weights nf4"),
+                            (dict(kv_budget=20.0), "use a --kv-budget of at most 12.18")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            common.say_memory_plan(SimpleNamespace(**{**vars(args), **change}), config, 24 * GiB)
+        err = capsys.readouterr().err.strip().splitlines()
+        print(err)
+        assert stop.value.code == 2 and len(err) == 1 and ": memory: " in err[0] and way_out in err[0]
