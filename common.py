@@ -37,6 +37,7 @@ import torch.nn.functional as F
 # system prompt included (retail's 1,759 tokens, airline's 1,581; + a turn's 80, x 1.2 = 3,584).
 CPU_TIERS = "change_order_payment,cancel_trip"
 CPU_LIMITS = dict(max_turns=14, max_new_tokens=80, max_context=3584)
+EVAL_TASKS = 24          # eval.py's held-out tasks a domain; rl.py's curve takes the ones after them
 TIERS = ("easy", "medium", "hard")
 
 
@@ -51,15 +52,15 @@ class ShowDefaults(argparse.HelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """argparse, with an error as one line ("rl.py: --lr: ...") and exit status 2, as argparse exits, every default
-    shown in --help, and the flags in named groups (group(title)): the algorithm's apart from ablations and
-    performance."""
+    shown in --help, and the flags in named groups (group(title)): the few a reader meets (the run, the model, the
+    world, the algorithm), then one "more" group with the ablations, performance, the user's server and logging."""
 
     GROUPS = {"run": "the run", "model": "the model", "world": "the world and the user",
-              "algorithm": "the algorithm", "ablation": "ablations (the paper's and ours)",
-              "performance": "performance: speed and memory"}
+              "algorithm": "the algorithm", "more": "more: ablations (the paper's and ours), speed and memory, "
+                                                    "the user simulator's server and checks, logging"}
 
     def __init__(self, *a, **kw):
-        super().__init__(*a, formatter_class=ShowDefaults, **kw)
+        super().__init__(*a, formatter_class=ShowDefaults, usage="%(prog)s [flags] (the groups below; --help)", **kw)
         self.groups = {name: self.add_argument_group(title) for name, title in self.GROUPS.items()}   # --help's order
 
     def group(self, name: str):
@@ -113,7 +114,7 @@ def add_run_args(p: Parser, out: str, smoke: str, tracker: bool = False):
     g.add_argument("--preset", default="auto", choices=["auto", "cpu", "gpu"], help="the sizes of every flag not "
                    "given (the stage's PRESETS): auto = gpu with CUDA, else cpu; --smoke overrides")
     if tracker:
-        g.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"], help="also send each "
+        p.group("more").add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"], help="also send each "
                        "step's numbers to this tracker, under --out (optional packages: requirements.txt)")
 
 
@@ -126,8 +127,8 @@ def add_model_args(p: Parser, model_default=None, sampler=True):
     g.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (bitsandbytes), LoRA on top (QLoRA)")
     if not sampler:
         return
+    g = p.group("more")
     g.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode (off by default, as in the paper)")
-    g = p.group("performance")
     g.add_argument("--sampler", default="fast", choices=["fast", "plain"], help="fast: sampler/fast.py, many "
                    "conversations at once; plain: sampler/plain.py's sample_turn, one conversation at a time (the "
                    "code to read; greedy, the same tokens, tested; slower)")
@@ -146,6 +147,7 @@ def add_user_args(p: Parser, default="scripted", several=False):
     g.add_argument("--user", default=default, help=f"user simulator: {users.user_help()} (users.USER_KINDS; "
                    "personas and their train / held-out split: users.PERSONAS)" + ("; a comma list evaluates under "
                    "each" * several))
+    g = p.group("more")
     g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
     g.add_argument("--user-check", default="on", choices=["on", "off"], help="check each message of an LLM user of "
@@ -153,13 +155,11 @@ def add_user_args(p: Parser, default="scripted", several=False):
                    "agent's voice, nothing); off: take every message as it comes")
     g.add_argument("--user-retries-on-check", type=int, default=2, help="times a message the check flags is asked "
                    "again (a correction line, a seeded higher temperature); then the episode is left out")
-    g = p.group("run")
     g.add_argument("--user-price", type=price, default="0,0", metavar="IN,OUT", help="USD per million prompt "
                    "and completion tokens of the user simulator, for the dollars reported (0,0: a local server)")
     g.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this share of a draw's "
                    "(rl.py) or an evaluation's rollouts were left out: their user simulator failed or broke the check, "
                    "or their env failed (they are never trained on nor scored)")
-    g = p.group("performance")
     g.add_argument("--user-workers", type=int, default=256, help="LLM users asked at once (each round's replies; 256 "
                    "= a paper-sized round all in flight; 1 for a server that answers one at a time)")
     g.add_argument("--user-timeout", type=float, default=60.0, help="seconds an LLM user's request may take before "
@@ -182,6 +182,7 @@ def add_episode_args(p: Parser, tokens: bool = True):
     g = p.group("world")
     g.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (paper 30)")
     if tokens:
+        g = p.group("more")
         g.add_argument("--max-new-tokens", type=int, default=None, help="tokens per agent turn")
         g.add_argument("--max-context", type=int, default=None, help="episode token limit")
 
@@ -262,6 +263,12 @@ def user_factory(args, model=None, tokenizer=None, spec=None):
     settings = {"base_url": args.user_base_url, "timeout": args.user_timeout, **check} if spec.startswith("openai:") \
         else {"model": model, "tokenizer": tokenizer, **check} if spec == "local" else {}
     return envs.UserFactory(spec, settings)
+
+
+def run_seed(seed: int, step: int, draw: int | None = None) -> int:
+    """A step's seed from --seed: of its task order and its mini-batches (draw None), or of the episodes of its
+    draw-th batch; so a resumed run draws, samples and splits as the first run did."""
+    return seed * 1_000_003 + (step if draw is None else step * 101 + draw)
 
 
 def log_metrics(out: str, metrics: list, m: dict, tracker=None):

@@ -76,9 +76,9 @@ import envs
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each, under the training personas and
 # under the held-out ones; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
 PRESETS = {
-    "gpu": dict(n_tasks=24, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout", max_turns=30,
+    "gpu": dict(n_tasks=common.EVAL_TASKS, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout", max_turns=30,
                 max_new_tokens=256, max_context=8192, recheck=16),
-    "cpu": dict(n_tasks=24, trials=1, tiers=common.CPU_TIERS, user="scripted:train,scripted:heldout", **common.CPU_LIMITS,
+    "cpu": dict(n_tasks=common.EVAL_TASKS, trials=1, tiers=common.CPU_TIERS, user="scripted:train,scripted:heldout", **common.CPU_LIMITS,
                 recheck=0),
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
                   recheck=1),
@@ -109,7 +109,7 @@ def parse_args(argv=None):
     g = p.group("algorithm")                      # what is measured, and how
     g.add_argument("--trials", type=int, default=None, help="trials per task n; pass^k for k = 1..n")
     g.add_argument("--temperature", type=float, default=0.0, help="agent temperature (0: greedy, as tau-bench; "
-                   "training samples at 1.0)")
+                   "rl.py samples at its --temperature: 0.7 on CPU, 1.0 on a GPU)")
     g.add_argument("--recheck", type=int, default=None, help="failed tasks re-run with another user seed (0 = off)")
     g.add_argument("--paired-metric", default="pass1", help=f"comma list of the metrics paired comparisons are "
                    f"made on: {', '.join(METRICS)} (the first is plotted)")

@@ -16,6 +16,7 @@ Simplifications versus the paper: SmolLM2-135M on CPU and LoRA, the reference a 
 our procedural domains and scripted users (a 135M model cannot play a user); PRESETS["cpu"] the same algorithm at
 small sizes; dynamic sampling (DAPO: only groups whose rewards differ are trained) and --screen are ours.
 """
+import functools
 import math
 import os
 import random
@@ -33,9 +34,10 @@ import envs
 import users
 from kernels import masked_logprobs
 
-# Every number a preset sets stands here only. CPU: 8 tasks x 6 rollouts (4 tasks a domain; their openings withhold
-# the ids), two mini-batches so the clip can act, a curve on 4 held-out tasks a domain. T = 0.7: at 1.0 most of the
-# 135M policy's failures are sampling noise. lr 1e-4: at 2e-4 one Adam step collapsed the policy (docs/results.md).
+# Every number a preset sets stands here only, but the CPU episode limits and tasks, which eval.py measures with too
+# (common.CPU_LIMITS, CPU_TIERS). CPU: 8 tasks x 6 rollouts (4 tasks a domain; their openings withhold the ids), two
+# mini-batches so the clip can act, a curve on 4 held-out tasks a domain. T = 0.7: at 1.0 most of the 135M policy's
+# failures are sampling noise. lr 1e-4: at 2e-4 one Adam step collapsed the policy (docs/results.md).
 PRESETS = {
     "gpu": dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
                 max_context=8192, micro_batch=1, mini_batches=1, lr=2e-5, temperature=1.0, domains="retail,airline",
@@ -55,11 +57,9 @@ RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budge
 def add_grpo_args(p: common.Parser):
     """The flags of GRPO itself, rl.py's and scripts/rl_trl.py's (TRL's names in brackets)."""
     p.group("run").add_argument("--steps", type=int, help="GRPO steps; a larger value resumes a run")
-    g = p.group("model")
-    g.add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at it), 'base' (a "
-                   "fresh LoRA, the reference the base model), or 'auto' = runs/sft/adapter if present, else base")
-    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
-    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
+    p.group("model").add_argument("--init", default="auto", help="SFT adapter dir (the KL reference is frozen at "
+                                  "it), 'base' (a fresh LoRA, the reference the base model), or 'auto' = "
+                                  "runs/sft/adapter if present, else base")
     g = p.group("world")
     g.add_argument("--domains", help="comma-separated train domains")
     g.add_argument("--tiers", help="task tiers, or scenario names, to train on")
@@ -72,12 +72,13 @@ def add_grpo_args(p: common.Parser):
                    "[beta; TRL's default is 0]")
     g.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip epsilon, both sides (paper 0.2) [epsilon]")
     g.add_argument("--lr", type=float, help="AdamW learning rate")
-    g = p.group("ablation")
-    g.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="shaped: partial credit for "
-                   "correct writes (Env.reward)")
+    g = p.group("more")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
+    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
+    g.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="ablation: shaped, partial "
+                   "credit for correct writes (Env.reward)")
     g.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean: every "
                    "sampled token weighs the same (DAPO, the official code) [dapo]; seq-mean: every rollout [grpo]")
-    g = p.group("performance")
     g.add_argument("--micro-batch", type=int, help="sequences per forward/backward [per_device_train_batch_size]")
     g.add_argument("--grad-checkpointing", choices=["on", "off"], help="recompute activations in backward (less "
                    "memory; the fast pass then runs every row's system prompt)")
@@ -90,28 +91,28 @@ def parse_args(argv=None):
     common.add_user_args(p, default=None)
     add_grpo_args(p)
     g = p.group("algorithm")
+    g.add_argument("--mini-batches", type=int, help="AdamW steps on a step's rollouts, each on a random subset of "
+                   "them (> 1: the clip can act)")
+    g.add_argument("--eval-every", type=int, help="held-out pass^1 every N steps, and before step 1 (0 = never)")
+    g = p.group("more")
     g.add_argument("--draw", type=int, help="tasks per rollout batch")
     g.add_argument("--max-draws", type=int, help="dynamic sampling: draws a step to find --tasks groups that teach")
-    g.add_argument("--mini-batches", type=int, help="AdamW steps on a step's rollouts (> 1: the clip can act)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    g = p.group("ablation")
-    g.add_argument("--screen", type=int, default=0, help="each drawn task first gets this many rollouts, the rest of "
-                   "its group only if one got a reward other than the batch's most common one (0 = off)")
-    g.add_argument("--rollouts", help="train on another run's saved rollouts/ instead of sampling (update rules "
-                   "compared on identical rollouts)")
-    g = p.group("performance")
+    g.add_argument("--eval-tasks", type=int, help="held-out tasks per domain for the curve")
+    g.add_argument("--eval-users", help="the curve's users (default: --user, and scripted:heldout when it is scripted)")
+    g.add_argument("--eval-skip", type=int, default=common.EVAL_TASKS, help="the curve skips the first N held-out "
+                   "tasks a domain: those eval.py measures")
+    g.add_argument("--ckpt-every", type=int, help="checkpoint every N steps")
+    g.add_argument("--screen", type=int, default=0, help="ablation: each drawn task first gets this many rollouts, "
+                   "the rest of its group only if one got a reward other than the batch's most common one (0 = off)")
+    g.add_argument("--rollouts", help="ablation: train on another run's saved rollouts/ instead of sampling (update "
+                   "rules compared on identical rollouts)")
     g.add_argument("--logprob-pass", default="fast", choices=["fast", "plain"], help="the update's log-probs. plain: "
                    "one forward of each whole row (plain_logprobs, the code to read); fast: each domain's system "
                    "prompt once a pass, the lm_head in chunks (common.shared_prefix_logprobs): the same numbers")
     g.add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the update under bf16 "
                    "autocast (weights, AdamW, log-softmax fp32); auto: on for a CPU with AVX512-BF16 or AMX only")
-    g = p.group("run")
-    g.add_argument("--ckpt-every", type=int, help="checkpoint every N steps")
-    g.add_argument("--eval-every", type=int, help="held-out pass^1 every N steps, and before step 1 (0 = never)")
-    g.add_argument("--eval-tasks", type=int, help="held-out tasks per domain for that curve")
-    g.add_argument("--eval-users", help="the curve's users (default: --user, and scripted:heldout when it is scripted)")
-    g.add_argument("--eval-skip", type=int, default=24, help="the curve skips the first N held-out tasks a domain")
     args = common.parse_with_preset(p, PRESETS, argv)
     if args.train_bf16 == "auto":                 # a CPU with bf16 dot products (AVX512-BF16 or AMX)
         native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -138,18 +139,18 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------- 1-2. sample, reward, keep the groups that teach
 
-def sample_groups(agent, tok, pools, step, args, make_user):
-    """Draws of --draw tasks x G conversations until --tasks groups have reward variance, or --max-draws. A rollout
-    whose user simulator failed or broke the check, or whose env failed, is left out (its 0 is not the agent's).
-    -> (drawn, kept groups, the rollouts left out)."""
-    rng = random.Random(args.seed * 1_000_003 + step)      # its own: a resumed run redraws the same tasks
+def sample_groups(draw, pools, step, args):
+    """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws; draw(tasks, step, index) ->
+    the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed or broke
+    the check, or whose env failed, is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
+    rng = random.Random(common.run_seed(args.seed, step))      # its own: a resumed run redraws the same tasks
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]   # the domains alternate
     drawn, varied, left = [], [], []
-    for d in range(args.max_draws):
-        tasks = order[d * args.draw:(d + 1) * args.draw]
-        groups = (screened if args.screen else sample_draw)(agent, tok, tasks, step, d, args, make_user)
-        if failed := [t for g in groups for t in g if t.failed]:   # a user or env failed, or a user broke the check
+    for index in range(args.max_draws):
+        groups = draw(order[index * args.draw:(index + 1) * args.draw], step, index)
+        failed = [t for g in groups for t in g if t.failed]   # a user or env failed, or a user broke the check
+        if failed:
             rollout.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
         left += failed
         groups = [[t for t in g if not t.failed] for g in groups]
@@ -159,33 +160,40 @@ def sample_groups(agent, tok, pools, step, args, make_user):
     return drawn, varied[:args.tasks], left
 
 
-def sample_draw(agent, tok, tasks, step, d, args, make_user, trials=None) -> list[list]:
-    """Trials [a, b) of every task (None: the whole group), a group a task, saved to <out>/rollouts (viewer.py shows
-    them); with --rollouts, another run's, read back, to compare update rules on identical rollouts."""
+def sample_draw(agent, tok, args, make_user, tasks, step, index, trials=None) -> list[list]:
+    """A draw's conversations: trials [a, b) of every task (None: the whole group), a group a task, with a fresh env
+    and simulated user each, saved to <out>/rollouts (viewer.py shows them)."""
     a, b = trials or (0, args.group_size)
-    name = f"step-{step + 1:06d}-draw-{d}" + (f"-trials-{a}-{b}" if trials else "") + ".jsonl"
-    if args.rollouts:
-        if not os.path.isfile(path := os.path.join(args.rollouts, name)):
-            raise SystemExit(f"--rollouts {args.rollouts}: no {name}; that run drew fewer steps or batches, or "
-                             "screened differently (--screen)")
-        trajs = rollout.load_trajectories(path)
-    else:
-        trajs = rollout.run_episodes(agent, tok, tasks, group_size=b - a, first_trial=a, user=make_user,
-                                     max_turns=args.max_turns, max_context=args.max_context,
-                                     seed=args.seed * 1_000_003 + step * 101 + d, shaped=args.reward == "shaped",
-                                     user_workers=args.user_workers)
-        rollout.save_trajectories(os.path.join(args.out, "rollouts", name), trajs)
+    trajs = rollout.run_episodes(agent, tok, tasks, group_size=b - a, first_trial=a, user=make_user,
+                                 max_turns=args.max_turns, max_context=args.max_context,
+                                 seed=common.run_seed(args.seed, step, index), shaped=args.reward == "shaped",
+                                 user_workers=args.user_workers)
+    rollout.save_trajectories(os.path.join(args.out, "rollouts", draw_file(step, index, trials)), trajs)
     return [trajs[s:s + b - a] for s in range(0, len(trajs), b - a)]
 
 
-def screened(agent, tok, tasks, step, d, args, make_user) -> list[list]:
-    """--screen K, sample_draw's ablation: trials 0..K-1 of every task, then K..G-1 only of the tasks where one of
+def draw_file(step, index, trials=None) -> str:
+    return f"step-{step + 1:06d}-draw-{index}" + (f"-trials-{trials[0]}-{trials[1]}" if trials else "") + ".jsonl"
+
+
+def saved_draw(args, tasks, step, index, trials=None) -> list[list]:
+    """--rollouts: sample_draw's groups as another run saved them, read back (update rules compared on identical
+    rollouts)."""
+    if not os.path.isfile(path := os.path.join(args.rollouts, draw_file(step, index, trials))):
+        raise SystemExit(f"--rollouts {args.rollouts}: no {os.path.basename(path)}; that run drew fewer steps or "
+                         "batches, or screened differently (--screen)")
+    trajs, size = rollout.load_trajectories(path), (trials[1] - trials[0]) if trials else args.group_size
+    return [trajs[s:s + size] for s in range(0, len(trajs), size)]
+
+
+def screened(draw, args, tasks, step, index) -> list[list]:
+    """--screen K, an ablation of the draw: trials 0..K-1 of every task, then K..G-1 only of the tasks where one of
     the first K got a reward other than the batch's most common one (the others stay groups of K that teach nothing)."""
     K, G = args.screen, args.group_size
-    first = sample_draw(agent, tok, tasks, step, d, args, make_user, trials=(0, K))
+    first = draw(tasks, step, index, trials=(0, K))
     seen = Counter(t.reward for g in first for t in g if not t.failed).most_common(1)
     go = [i for i, g in enumerate(first) if any(not t.failed and t.reward != seen[0][0] for t in g)]
-    rest = sample_draw(agent, tok, [tasks[i] for i in go], step, d, args, make_user, trials=(K, G)) if go else []
+    rest = draw([tasks[i] for i in go], step, index, trials=(K, G)) if go else []
     for i, more in zip(go, rest):
         first[i] = first[i] + more
     return first
@@ -208,76 +216,78 @@ def group_advantages(rewards, group_size, eps=1e-4):
 # ---------------------------------------------------------------- 4. the update
 
 def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False):
-    """One GRPO update on the kept groups' rollouts (advantages adv, (N,)) in --mini-batches AdamW steps, each on a
-    random subset of the rollouts (a shuffle seeded by `seed`: the same split on a rerun); inside a mini-batch its
-    rows are grouped by domain, shortest first, into micro-batches of --micro-batch, each domain's system prompt
-    passed once (--logprob-pass fast). Log-probs (b, T) per micro-batch from plain_logprobs (fast: common's, the
-    same numbers). -> summed stats."""
+    """One GRPO update on the kept groups' rollouts (advantages adv, (N,)): --mini-batches AdamW steps, each on a random
+    subset of the rollouts (a shuffle seeded by `seed`: a rerun splits the same way), its rows grouped by domain,
+    shortest first, into micro-batches of --micro-batch. The log-probs of the sampled tokens, (b, T) a micro-batch,
+    come from plain_logprobs (--logprob-pass fast: common.shared_prefix_logprobs, each domain's system prompt once a
+    pass, the same numbers): logp under pi (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the
+    frozen start). -> the update's stats, summed."""
     order = list(range(len(trajs)))
     random.Random(seed).shuffle(order)
-    per_mini = math.ceil(len(order) / args.mini_batches)
-    minis = [order[s:s + per_mini] for s in range(0, len(order), per_mini)]     # rollout indices, one list an AdamW step
+    size = math.ceil(len(order) / args.mini_batches)
     fast = args.logprob_pass == "fast"
+    minis = []                                    # each mini-batch's micro-batches; their rows index trajs and adv
+    for rows in [order[s:s + size] for s in range(0, len(order), size)]:
+        micro = rollout.micro_batches([trajs[i].token_ids for i in rows], [trajs[i].loss_mask for i in rows],
+                                      args.micro_batch, pad_id, [getattr(trajs[i], "domain", None) for i in rows],
+                                      shortest_first=True, device=model.device)
+        micro = common.cut_shared_prefix(micro) if fast and args.grad_checkpointing == "off" else micro
+        minis.append([b._replace(rows=[rows[r] for r in b.rows]) for b in micro])
     logprobs = common.shared_prefix_logprobs if fast else plain_logprobs
-    micro = []                                    # every mini-batch's micro-batches, MicroBatch.rows its own indices
-    for mini in minis:
-        m = rollout.micro_batches([trajs[i].token_ids for i in mini], [trajs[i].loss_mask for i in mini],
-                                  args.micro_batch, pad_id, [getattr(trajs[i], "domain", None) for i in mini],
-                                  shortest_first=True, device=model.device)
-        m = common.cut_shared_prefix(m) if fast and args.grad_checkpointing == "off" else m
-        micro.append([b._replace(rows=[mini[r] for r in b.rows]) for b in m])   # rows: indices into trajs and adv
     bf16 = torch.autocast(model.device.type, torch.bfloat16, enabled=args.train_bf16 == "on")
     with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
-        pi_old = [[lp for _, lp in logprobs(model, m, range(len(m)), args.temperature)] for m in micro]
-    pi_ref = pi_old                # pi_ref, the frozen start (rollout.reference_policy): pi_old until RL's first step
+        logp_old = [[lp for _, lp in logprobs(model, mini, range(len(mini)), args.temperature)] for mini in minis]
+    logp_ref = logp_old            # pi_ref, the frozen start (rollout.reference_policy): pi_old until RL's first step
     if not at_start:
         with torch.no_grad(), bf16, rollout.reference_policy(model):
-            pi_ref = [[lp for _, lp in logprobs(model, m, range(len(m)), args.temperature)] for m in micro]
-    total = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
+            logp_ref = [[lp for _, lp in logprobs(model, mini, range(len(mini)), args.temperature)] for mini in minis]
+    stats = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
     adv = adv.to(model.device)
-    for k, m in enumerate(micro):
-        n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in m)), sum(len(b.rows) for b in m)
+    for mini, old, ref in zip(minis, logp_old, logp_ref):   # an AdamW step a mini-batch: pi moves from the second on
+        n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
         optimizer.zero_grad(set_to_none=True)
         with bf16:
-            for j, pi in logprobs(model, m, range(len(m)), args.temperature):   # pi, with grad: not pi_old from k = 1
-                loss, st = grpo_loss(pi, pi_old[k][j], pi_ref[k][j], adv[m[j].rows], m[j].mask,
-                                     args.clip, args.kl_coef, args.loss_agg, n_tokens, n_seqs)
+            # logprobs yields micro-batch i's logp with grad on; its backward must run before the next one comes (the
+            # fast pass adds up the shared prefix's gradients across a domain's micro-batches, then passes them on)
+            for i, logp in logprobs(model, mini, range(len(mini)), args.temperature):
+                loss, counts = grpo_loss(logp, old[i], ref[i], adv[mini[i].rows], mini[i].mask, args.clip,
+                                         args.kl_coef, args.loss_agg, n_tokens, n_seqs)
                 loss.backward()
-                total = {key: v + st.get(key, 0) for key, v in total.items()}
-        total["grad_norm"] += float(clip_grad_norm_(optimizer.param_groups[0]["params"], args.max_grad_norm))
+                stats = {k: v + counts.get(k, 0) for k, v in stats.items()}
+        stats["grad_norm"] += float(clip_grad_norm_(optimizer.param_groups[0]["params"], args.max_grad_norm))
         optimizer.step()
-        total["updates"] += 1
-    return total
+        stats["updates"] += 1
+    return stats
 
 
-def plain_logprobs(model, micro, js, temperature=1.0):
-    """For each micro-batch j in js: (j, log pi(ids[b, t] | ids[b, :t]) where mask[b, t] == 1, else 0), (b, T) fp32,
-    from one forward of the whole right-padded rows (positions 0, 1, 2, ..., as the sampler's), as simple_GRPO and
-    TRL compute it. kernels.masked_logprobs takes the log-softmax of the sampled tokens only (Triton on GPU)."""
-    for j in js:
+def plain_logprobs(model, micro, which, temperature):
+    """For each micro-batch j in which: (j, logp (b, T) fp32), logp[r, t] = log pi(ids[r, t] | ids[r, :t]) where
+    mask[r, t] == 1, else 0: one forward of the whole right-padded rows (positions 0, 1, 2, ..., as the sampler's),
+    position t's logits scoring token t + 1, as simple_GRPO and TRL compute it. kernels.masked_logprobs takes the
+    log-softmax of the sampled tokens only (Triton on GPU)."""
+    for j in which:
         ids, mask = micro[j].ids, micro[j].mask
-        logits = model(input_ids=ids, attention_mask=micro[j].attn).logits   # (b, T, V); row t predicts token t + 1
-        b, T, V = logits.shape
-        nxt, nxt_mask = F.pad(ids[:, 1:], (0, 1)), F.pad(mask[:, 1:], (0, 1))   # (b, T): the token each predicts
-        lp = masked_logprobs(logits.view(b * T, V), nxt.reshape(-1), nxt_mask.reshape(-1), temperature).view(b, T)
-        yield j, F.pad(lp[:, :-1], (1, 0))                                # shifted back: token 0 has no context
+        logits = model(input_ids=ids, attention_mask=micro[j].attn).logits        # (b, T, V)
+        logp = torch.stack([masked_logprobs(row[:-1], nxt[1:], m[1:], temperature)   # (T - 1,) a row: no copy of
+                            for row, nxt, m in zip(logits, ids, mask)])                # the logits
+        yield j, F.pad(logp, (1, 0))              # token 0 has no context (mask 0): logp 0, aligned with the mask
 
 
-def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, agg="token-mean", n_tokens=None,
-              n_seqs=None):
-    """PPO-clipped GRPO loss with k3 KL to the reference over masked tokens. logp (pi), old_logp (pi_old), ref_logp
-    (pi_ref), mask: (B, T); adv: (B,). agg: "token-mean", the sum over masked tokens / n_tokens (a long rollout weighs
-    more: DAPO, the official code); "seq-mean", each rollout's token mean summed / n_seqs (every rollout weighs the
-    same: the GRPO paper; a token every rollout emits at the same rate, like the tool-call format, gets no net push).
-    n_tokens / n_seqs: the whole mini-batch's, when accumulating micro-batches. -> (loss, stats summed over tokens)."""
+def grpo_loss(logp, logp_old, logp_ref, adv, mask, clip, beta, agg, n_tokens=None, n_seqs=None):
+    """PPO-clipped GRPO loss with k3 KL to the reference over masked tokens. logp (pi's log-probs of the sampled
+    tokens), logp_old (pi_old's), logp_ref (pi_ref's), mask: (B, T); adv: (B,). agg: "token-mean", the sum over masked
+    tokens / n_tokens (a long rollout weighs more: DAPO, the official code); "seq-mean", each rollout's token mean
+    summed / n_seqs (every rollout weighs the same: the GRPO paper; a token every rollout emits at the same rate, like
+    the tool-call format, gets no net push). n_tokens / n_seqs: the whole mini-batch's, when accumulating
+    micro-batches. -> (loss, counts summed over tokens: kl_sum, clipped, tokens)."""
     m = mask.bool()
     # zero masked positions first: pads may hold anything, and their gradient must be exactly 0
-    logp, old_logp, ref_logp = (x.masked_fill(~m, 0.0) for x in (logp, old_logp, ref_logp))
-    ratio = torch.exp(logp - old_logp)                          # (B, T)
+    logp, logp_old, logp_ref = (x.masked_fill(~m, 0.0) for x in (logp, logp_old, logp_ref))
+    ratio = torch.exp(logp - logp_old)                          # (B, T)
     a = adv.view(-1, 1)
     surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
     # k3 estimator of KL(pi || ref): exp(ref - pi) - (ref - pi) - 1 >= 0, unbiased, low variance
-    d = ref_logp - logp
+    d = logp_ref - logp
     kl = torch.exp(d) - d - 1
     per_token = (-surrogate + beta * kl) * m
     if agg == "token-mean":
@@ -287,8 +297,8 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip=0.2, beta=0.001, agg="to
     else:
         raise ValueError(f"agg {agg!r}: token-mean or seq-mean")
     clipped = ((ratio - 1).abs() > clip) & m
-    stats = dict(kl_sum=(kl * m).sum().item(), clipped=clipped.sum().item(), tokens=m.sum().item())
-    return loss, stats
+    counts = dict(kl_sum=(kl * m).sum().item(), clipped=clipped.sum().item(), tokens=m.sum().item())
+    return loss, counts
 
 
 # ---------------------------------------------------------------- the loop
@@ -317,21 +327,27 @@ def main(argv=None):
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
                                args.thinking, args.sample_weights, max_context=args.max_context)
     make_user, tracker = common.user_factory(args, model, tok), common.tracker(args)   # users; --report-to
+    draw = functools.partial(sample_draw, agent, tok, args, make_user)    # G conversations a task, sampled now
+    if args.rollouts:                             # ablation: another run's rollouts, read back instead
+        draw = functools.partial(saved_draw, args)
+    if args.screen:                               # ablation: a group's rest only where its first K rollouts differ
+        draw = functools.partial(screened, draw, args)
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
         log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args)), tracker)
     for step in range(start, args.steps):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
-        drawn, kept, left = sample_groups(agent, tok, pools, step, args, make_user)
+        drawn, kept, left = sample_groups(draw, pools, step, args)
         agent.forget()                            # its keys/values go stale with the update: not kept beside it
-        t_roll, st, adv = time.time() - t0, None, None
+        sampled_s = time.time() - t0
+        stats = None
         if kept:                                  # 3. advantages within each kept group
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
-            st = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
-                             seed=args.seed * 1_000_003 + step, at_start=not optimizer.state)
-        m = step_metrics(step, drawn, kept, left, st, dict(rollout_s=None if args.rollouts else t_roll,
-                                                           train_s=time.time() - t0 - t_roll), args.user_price)
+            stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
+                                seed=common.run_seed(args.seed, step), at_start=not optimizer.state)
+        m = step_metrics(step, drawn, kept, left, stats, dict(rollout_s=None if args.rollouts else sampled_s,
+                                                              train_s=time.time() - t0 - sampled_s), args.user_price)
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args))
         log(args, metrics, m | dict(s_per_step=time.time() - t0), tracker)
@@ -362,20 +378,20 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
 
 # ---------------------------------------------------------------- output: the log line, metrics.jsonl, the plot
 
-def step_metrics(step, drawn, kept, left, st, seconds, price) -> dict:
-    """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (st: the update's
-    sums, None when no group was kept), and what its users did and cost (rollout.user_report; their waiting's share
+def step_metrics(step, drawn, kept, left, stats, seconds, price) -> dict:
+    """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (stats: the
+    update's sums, None when no group was kept), and what its users did and cost (rollout.user_report; their waiting's share
     of the step's sampling and update time). Entropy is the mean -log p of the sampled tokens."""
     every = [t for g in drawn for t in g]
     rewards, sampled = torch.tensor([t.reward for t in every]), sum(sum(t.loss_mask) for t in every)
-    per = lambda k: st[k] / max(st["tokens"], 1) if st else None                  # noqa: E731
+    per = lambda k: stats[k] / max(stats["tokens"], 1) if stats else None                  # noqa: E731
     return dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
                 groups_drawn=len(drawn), groups_varied=sum(map(has_signal, drawn)),
                 signal_token_share=sum(sum(t.loss_mask) for g in drawn if has_signal(g) for t in g) / max(sampled, 1),
                 groups_trained=len(kept), kl=per("kl_sum"), clip_frac=per("clipped"),
-                grad_norm=st["grad_norm"] / max(st["updates"], 1) if st else None,
+                grad_norm=stats["grad_norm"] / max(stats["updates"], 1) if stats else None,
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
-                train_tokens=st["tokens"] if st else 0, turns=sum(t.turns for t in every) / len(every),
+                train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
                 sim_failures=len(left), **seconds, tok_per_s=seconds["rollout_s"] and sampled / seconds["rollout_s"],
                 **rollout.user_report(every + left, seconds["rollout_s"] and seconds["rollout_s"] + seconds["train_s"],
                                       price))

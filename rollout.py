@@ -107,7 +107,7 @@ def load_model(name: str = DEFAULT_MODEL, load_in_4bit: bool = False):
     return model, load_tokenizer(name)
 
 
-def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0):
+def add_lora(model, r: int, alpha: int, dropout: float = 0.0):
     """Wrap model in a LoRA PeftModel on all linear projections (attention and MLP); the base is frozen.
     No peft.prepare_model_for_kbit_training for 4-bit models: it casts every parameter that is not 4-bit
     (embeddings, lm_head, norms) to fp32, 2.3 GiB more for Qwen3-8B's embeddings and lm_head and an
@@ -126,7 +126,7 @@ def load_adapter(model, path: str, trainable: bool = False):
         return PeftModel.from_pretrained(model, path, is_trainable=trainable)
 
 
-def load_policy(model, init: str, ref_dir: str, r: int = 16, alpha: int = 32, resuming: bool = False):
+def load_policy(model, init: str, ref_dir: str, r: int, alpha: int, resuming: bool = False):
     """RL's policy and its KL reference, both the policy RL starts from: init's adapter, trained as "default", and a
     frozen copy of it as "ref" beside it (LoRA weights are small; the base weights stay one copy), saved to ref_dir
     so that a resumed run starts from its own. init "base": a fresh LoRA and no "ref" (the reference is the base
@@ -556,19 +556,28 @@ def checked(traj, said, flagged: list) -> dict:
     return ({"flagged": flagged} if flagged else {}) | ({"broke": said.reason} if broke else {})
 
 
-def user_turn(traj, said, fmt, flagged=()):
-    """Append the user's reply, with the check's flagged tries before it (check_replies); ###STOP### ends the episode
-    (kept in messages, no tokens: nothing follows). A user that failed or broke the check ends this rollout only
-    (a message with no content, its flagged tries kept)."""
-    note = checked(traj, said, list(flagged)) if flagged or isinstance(said, Exception) else {}
+def user_turn(traj, said, fmt):
+    """Append the user's reply as a turn; ###STOP### ends the episode (kept in messages, no tokens: nothing follows).
+    A user whose simulator failed (said: the exception) ends this rollout only: left out, never scored as the
+    agent's."""
     if isinstance(said, Exception):
-        traj.messages += [{"role": "user", "content": "", **note}] if note else []
+        checked(traj, said, [])
     elif STOP in said:
-        traj.messages.append({"role": "user", "content": said, **note})
+        traj.messages.append({"role": "user", "content": said})
         traj.stop_reason = "user_stop"
     else:
         _append_turn(traj, fmt, "user", said)
-        traj.messages[-1].update(note)
+
+
+def checked_user_turn(traj, said, fmt, flagged: list):
+    """user_turn for a checked user (check_replies): the message keeps its flagged tries, and a user that broke the
+    check ends this rollout only (a message with no content, its flagged tries kept)."""
+    if isinstance(said, Exception):
+        note = checked(traj, said, flagged)
+        traj.messages += [{"role": "user", "content": "", **note}] if note else []
+        return
+    user_turn(traj, said, fmt)
+    traj.messages[-1].update(checked(traj, said, flagged))
 
 
 def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", max_turns: int = 30,
@@ -592,14 +601,21 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", 
     t0, rounds, checking = time.time(), 0, any(conv.user.check_retries is not None for conv in convs)
     while active:
         outs = agent.act([(convs[c].env.task, convs[c].traj.messages, convs[c].traj.token_ids) for c in active])
-        waiting = [c for c, (ids, lps) in zip(active, outs) if agent_turn(convs[c], ids, lps, fmt, tokenizer)]
+        waiting = []                                     # the conversations whose user speaks next
+        for c, (ids, lps) in zip(active, outs):          # the agent's turn: appended, its tool call run
+            if agent_turn(convs[c], ids, lps, fmt, tokenizer):
+                waiting.append(c)
         t_ask, views = time.time(), [convs[c].traj.messages[1:] for c in waiting]
         replies = ask_users([partial(convs[c].user.reply, view) for c, view in zip(waiting, views)], workers)
-        flagged = (check_replies([(convs[c].user, convs[c].env, v) for c, v in zip(waiting, views)], replies, workers)
-                   if checking else [[]] * len(waiting))
+        if checking:                                     # an LLM user of ours: each reply checked, re-asked if flagged
+            flagged = check_replies([(convs[c].user, convs[c].env, v) for c, v in zip(waiting, views)], replies,
+                                    workers)
         waited = (time.time() - t_ask) / max(len(waiting), 1)   # each its share: the sum is the round's wall time
-        for c, said, bad in zip(waiting, replies, flagged):
-            user_turn(convs[c].traj, said, fmt, bad)
+        for k, (c, said) in enumerate(zip(waiting, replies)):
+            if checking:
+                checked_user_turn(convs[c].traj, said, fmt, flagged[k])
+            else:
+                user_turn(convs[c].traj, said, fmt)
             convs[c].traj.stats["user_wait_s"] += waited
         for c in active:                                 # the turn cap and the context limit cut what is left
             traj = convs[c].traj
@@ -613,9 +629,11 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", 
     for env, u, traj in convs:                           # reward on what the user could read (Conversation fields)
         said = [visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]
         traj.reward = float(env.reward(said, stop_reason=traj.stop_reason))
-        traj.diff, traj.stats["user_usage"] = env.diff(), dict(u.usage)
+        traj.diff = env.diff()                           # what that reward found wrong: reward() leaves it on env
+        traj.stats["user_usage"] = dict(u.usage)
         # the end state alone, however the episode ended (the binary reward without τ²'s cut-short rule): eval.py's
-        # "correct end state", which tells a right write the agent never reported from a wrong one
+        # "correct end state", which tells a right write the agent never reported from a wrong one. After diff():
+        # this reward() overwrites what the first left on env
         traj.stats["correct_state"] = float(env.reward(said) >= 1)
         traj.stats["extras"] = env.extras() if hasattr(env, "extras") else {}   # e.g. ACEBench's process score
     return [conv.traj for conv in convs]

@@ -105,7 +105,7 @@ def parse_args(argv=None):
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     g.add_argument("--max-len", type=int, default=None, help="truncate sequences to this many tokens")
     g.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (none: epochs x data)")
-    g = p.group("performance")
+    g = p.group("more")
     g.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward pass")
     g.add_argument("--share-prefix", default="on", choices=["on", "off"],
                    help="run each domain's system prompt once per step, not once per conversation (exact)")

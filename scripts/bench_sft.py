@@ -25,7 +25,7 @@ def bench(args):
     model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
     trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, ours.make_tasks("retail", "train", 4))
     rows = [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "scenario": f"retail/{t.scenario}"} for t in trajs]
-    model, n_tok = rollout.add_lora(model), sum(sum(r["loss_mask"]) for r in rows)
+    model, n_tok = rollout.add_lora(model, r=16, alpha=32), sum(sum(r["loss_mask"]) for r in rows)
     model.train()
     print(f"{len(rows)} conversations, {sum(len(r['token_ids']) for r in rows)} tokens ({n_tok} trained), "
           f"shared prefix {shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} tokens")

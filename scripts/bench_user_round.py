@@ -17,6 +17,7 @@ Run:  python scripts/bench_user_round.py                  # the four runs, about
       python scripts/bench_user_round.py --runs clean --tasks 4 --group-size 2 --latency 0.1   # a quick look
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -73,7 +74,8 @@ def run(name, args, tasks, tok, out):
         make_user = envs.UserFactory("openai:scripted", dict(base_url=srv.url, api_key="none", timeout=args.timeout,
                                                              max_retries=args.max_retries))
         try:
-            drawn, kept, left = rl.sample_groups(rollout.OracleAgent(tok), tok, {"all": tasks}, 0, rl_args, make_user)
+            draw = functools.partial(rl.sample_draw, rollout.OracleAgent(tok), tok, rl_args, make_user)
+            drawn, kept, left = rl.sample_groups(draw, {"all": tasks}, 0, rl_args)
         except SystemExit as e:                     # rl.py's one line, past --max-sim-failures
             stop = str(e)
     wall = time.time() - t0

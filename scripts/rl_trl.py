@@ -66,7 +66,7 @@ def parse_args(argv=None):
     rl.add_grpo_args(p)             # --tasks: over all processes, a multiple of their number (whole groups each)
     p.group("world").add_argument("--task-pool", type=int, default=1000, help="train tasks generated per domain to "
                                   "sample from")
-    g = p.group("performance")
+    g = p.group("more")
     g.add_argument("--vllm", default=None, choices=["off", "colocate"], help="generate with a vLLM engine on each GPU "
                    "beside training (scripts/requirements-gpu.txt), or with transformers generate")
     g.add_argument("--vllm-memory", type=float, default=0.3, help="share of each GPU's memory vLLM may take")
@@ -152,8 +152,8 @@ def make_rollout_func(args, tasks, tok, model):
         try:   # a fresh Env and simulated user per rollout, inside run_episodes; seeds differ by step and process
             trajs = rollout.run_episodes(agent, tok, [by_id[p] for p in prompts[::G]], group_size=G, user=make_user,
                                          max_turns=args.max_turns, max_context=args.max_context,
-                                         seed=args.seed * 1_000_003 + trainer.state.global_step * 101
-                                         + trainer.accelerator.process_index,
+                                         seed=common.run_seed(args.seed, trainer.state.global_step,
+                                                              trainer.accelerator.process_index),
                                          shaped=args.reward == "shaped", progress=False,
                                          user_workers=args.user_workers)
         except users.UserSimulatorError as e:

@@ -17,6 +17,7 @@ both counts.
 """
 import argparse
 import ast
+import functools
 import inspect
 import os
 import sys
@@ -106,11 +107,15 @@ def main(argv=None):
     pools = {d: envs.make_tasks(d, "train", rl.TASK_POOL, args.tiers.split(","), args.seed)
              for d in args.domains.split(",")}
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens)
-    users = inspect.signature(rl.sample_groups).parameters
-    user = rl.common.user_factory(args) if "make_user" in users else {"user_workers": 1}
+    users = inspect.signature(rl.sample_groups).parameters      # older commits' ways, so their step traces too
     torch.manual_seed(0)
     trace = Tracer()
-    drawn, kept, lost = trace.run(rl.sample_groups, agent, tok, pools, 0, args, user)
+    if "draw" in users:                                         # main hands sample_groups the draw
+        draw = functools.partial(rl.sample_draw, agent, tok, args, rl.common.user_factory(args))
+        drawn, kept, lost = trace.run(rl.sample_groups, draw, pools, 0, args)
+    else:
+        user = rl.common.user_factory(args) if "make_user" in users else {"user_workers": 1}
+        drawn, kept, lost = trace.run(rl.sample_groups, agent, tok, pools, 0, args, user)
     trajs = [t for g in drawn for t in g][:2]
     for t, r in zip(trajs, (1.0, 0.0)):
         t.reward = r

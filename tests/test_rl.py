@@ -52,22 +52,21 @@ def test_zero_variance_groups_have_no_signal_and_zero_advantage():
 @pytest.mark.parametrize("first, finished", [([0, 1, 0, 0], [1]), ([1, 1, 0, 1], [2]), ([0, 0, 0, 0], []),
                                              ([0, 0.5, 0, 1], [1, 3]),
                                              ([1, 0, 1, 0], [1, 3])])
-def test_screening_finishes_the_tasks_whose_first_rollout_got_a_rare_reward(monkeypatch, first, finished):
+def test_screening_finishes_the_tasks_whose_first_rollout_got_a_rare_reward(first, finished):
     """--screen 1: a task's group is finished when its first reward differs from the batch's most common one: a
     success among failures, a failure among successes, any shaped value off the mode. A rollout whose simulator
     failed (reward 0, failed) neither counts towards the mode nor finishes its task. A tie goes to the reward seen
     first."""
     calls = []
 
-    def fake_draw(agent, tok, tasks, step, d, args, make_user, trials=None):
+    def fake_draw(tasks, step, index, trials=None):
         calls.append(([t.id for t in tasks], trials))
         return [[SimpleNamespace(task_id=t.id, trial=g, failed="user" if t.id == "lost" else None, loss_mask=[1],
                                  reward=0.0 if t.id == "lost" or g else first[int(t.id)]) for g in range(*trials)]
                 for t in tasks]
-    monkeypatch.setattr(rl_module, "sample_draw", fake_draw)
     ids = [str(i) for i in range(len(first))] + ["lost"]
-    groups = rl_module.screened(None, None, [SimpleNamespace(id=i) for i in ids], 0, 0,
-                                SimpleNamespace(screen=1, group_size=4), None)
+    groups = rl_module.screened(fake_draw, SimpleNamespace(screen=1, group_size=4), [SimpleNamespace(id=i) for i in ids],
+                                0, 0)
     assert calls == [(ids, (0, 1))] + ([([str(i) for i in finished], (1, 4))] if finished else [])
     assert [len(g) for g in groups] == [4 if i in finished else 1 for i in range(len(first))] + [1]
     assert all([t.trial for t in g] == list(range(len(g))) for g in groups)
@@ -80,7 +79,7 @@ def test_grpo_loss_matches_hand_computation():
     logp = torch.tensor([[nan, -1.0, -2.0], [nan, -0.5, nan]], requires_grad=True)
     old = torch.tensor([[nan, -1.2, -2.0], [nan, -0.5, nan]])
     ref = torch.tensor([[nan, -1.0, -2.5], [nan, -0.3, nan]])
-    loss, st = grpo_loss(logp, old, ref, adv, mask, clip=0.2, beta=0.1)
+    loss, st = grpo_loss(logp, old, ref, adv, mask, clip=0.2, beta=0.1, agg="token-mean")
     # token a: ratio e^0.2 = 1.2214 > 1.2 and A = +1 -> clipped surrogate 1.2; KL d=0 -> 0
     # token b: ratio 1, A = +1 -> surrogate 1;  KL d = -0.5 -> e^-0.5 + 0.5 - 1 = 0.106531
     # token c: ratio 1, A = -1 -> surrogate -1; KL d = 0.2 -> e^0.2 - 0.2 - 1 = 0.021403
@@ -104,7 +103,7 @@ def test_seq_mean_averages_each_rollouts_token_mean():
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
     logp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
     ref = torch.tensor([[0.0, -1.0, -2.5], [0.0, -0.3, 0.0]])
-    loss, _ = grpo_loss(logp, logp, ref, torch.tensor([1.0, -1.0]), mask, beta=0.1, agg="seq-mean")
+    loss, _ = grpo_loss(logp, logp, ref, torch.tensor([1.0, -1.0]), mask, clip=0.2, beta=0.1, agg="seq-mean")
     kl_b, kl_c = math.exp(-0.5) + 0.5 - 1, math.exp(0.2) - 0.2 - 1
     assert loss.item() == pytest.approx(((-1 - 1 + 0.1 * kl_b) / 2 + (1 + 0.1 * kl_c) / 1) / 2, abs=1e-6)
 
@@ -118,7 +117,7 @@ def test_a_token_every_rollout_emits_gets_no_push_only_under_seq_mean(agg, push)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     per_token = logp.expand(2, 4)
     loss, _ = grpo_loss(per_token, per_token.detach(), per_token.detach(), torch.tensor([1.0, -1.0]), mask,
-                        beta=0.0, agg=agg)
+                        clip=0.2, beta=0.0, agg=agg)
     loss.backward()
     assert -logp.grad.item() == pytest.approx(push, abs=1e-7)      # gradient descent moves logp by -grad
 
@@ -126,7 +125,7 @@ def test_a_token_every_rollout_emits_gets_no_push_only_under_seq_mean(agg, push)
 def test_negative_advantage_clips_low_side():
     mask = torch.ones(1, 1)
     loss, st = grpo_loss(torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), torch.zeros(1, 1),
-                         torch.tensor([-1.0]), mask, clip=0.2, beta=0.0)
+                         torch.tensor([-1.0]), mask, clip=0.2, beta=0.0, agg="token-mean")
     assert loss.item() == pytest.approx(0.8) and st["clipped"] == 1   # min(-0.5, -0.8) = -0.8
 
 
@@ -192,7 +191,7 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
         pol = sequence_logprobs(model, ids, attn, mask)
         with model.disable_adapter():
             ref = sequence_logprobs(model, ids, attn, mask)
-    _, st = grpo_loss(pol, pol, ref, torch.ones(4), mask)
+    _, st = grpo_loss(pol, pol, ref, torch.ones(4), mask, 0.2, 0.001, "token-mean")
     assert st["kl_sum"] == 0.0
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -261,7 +260,7 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
         pol = sequence_logprobs(model, ids, attn, mask)
         with model.disable_adapter():
             off = sequence_logprobs(model, ids, attn, mask)
-    _, st = grpo_loss(pol, pol, off, torch.ones(4), mask)
+    _, st = grpo_loss(pol, pol, off, torch.ones(4), mask, 0.2, 0.001, "token-mean")
     assert st["kl_sum"] / st["tokens"] > 1e-3          # the adapter-off base would NOT read 0
     ref_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ref." in n}
     assert ref_before and not any(p.requires_grad for n, p in model.named_parameters() if ".ref." in n)
@@ -347,7 +346,7 @@ def test_masked_tokens_get_zero_gradient_through_the_model():
         logp.retain_grad()
         with torch.no_grad(), model.disable_adapter():
             ref = sequence_logprobs(model, ids, attn, mask)
-        loss, _ = grpo_loss(logp, logp.detach(), ref, adv, mask, beta=0.1)
+        loss, _ = grpo_loss(logp, logp.detach(), ref, adv, mask, clip=0.2, beta=0.1, agg="token-mean")
         loss.backward()
         assert logp.grad[mask == 0].abs().max().item() == 0.0
         assert logp.grad[mask == 1].abs().min().item() > 0.0

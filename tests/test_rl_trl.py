@@ -161,7 +161,7 @@ def test_a_changed_setting_into_a_used_folder_is_refused_before_anything_loads(t
 @pytest.mark.slow      # two trainers, each a step: most of a minute
 def test_from_an_sft_adapter_kl_is_zero_before_the_first_update_and_the_reference_stays(tiny, tmp_path, monkeypatch):
     model, _ = rollout.load_model(tiny)
-    model = rollout.add_lora(model)
+    model = rollout.add_lora(model, r=16, alpha=32)
     torch.manual_seed(1)
     for n, p in model.named_parameters():        # an SFT adapter that is not the base: lora_B != 0
         if "lora_B" in n:

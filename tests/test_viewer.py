@@ -1,6 +1,7 @@
 """scripts/viewer.py: the page parsed back holds exactly each trajectory's tokens (count, mask, the log-prob of each sampled
 token on its own token), the advantages and filtered groups as rl.py recorded them, and escapes what a model wrote.
 Slow: rl.py --smoke and eval.py --smoke, then their pages opened in headless Chromium (no console error, not blank)."""
+import functools
 import json
 import math
 import os
@@ -205,7 +206,8 @@ def sample_step(out, tok, tasks: int, screen: int):
                            screen=screen, user_workers=1)
     json.dump(vars(args), open(out / "args.json", "w"))
     pools = {"airline": envs.make_tasks("airline", "train", 40, ["easy"], 0)}
-    drawn, kept, lost = rl.sample_groups(Mixed(tok), tok, pools, 0, args, "scripted")
+    drawn, kept, lost = rl.sample_groups(functools.partial(rl.sample_draw, Mixed(tok), tok, args, "scripted"), pools,
+                                         0, args)
     adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
     m = rl.step_metrics(0, drawn, kept, lost, None, dict(rollout_s=1.0, train_s=0.0), [0, 0])
     with open(out / "metrics.jsonl", "w") as f:
