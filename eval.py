@@ -76,10 +76,10 @@ import envs
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each, under the training personas and
 # under the held-out ones; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
 PRESETS = {
-    "gpu": dict(n_tasks=common.EVAL_TASKS, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout", max_turns=30,
-                max_new_tokens=256, max_context=8192, recheck=16),
-    "cpu": dict(n_tasks=common.EVAL_TASKS, trials=1, tiers=common.CPU_TIERS, user="scripted:train,scripted:heldout", **common.CPU_LIMITS,
-                recheck=0),
+    "gpu": dict(n_tasks=common.EVAL_TASKS, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout",
+                max_turns=30, max_new_tokens=256, max_context=8192, recheck=16),
+    "cpu": dict(n_tasks=common.EVAL_TASKS, trials=1, tiers=common.CPU_TIERS, user="scripted:train,scripted:heldout",
+                **common.CPU_LIMITS, recheck=0),
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
                   recheck=1),
 }
@@ -223,13 +223,13 @@ def build_agent(spec: str, args):
 
 # ----------------------------------------------------------------------------- pass^k evaluation
 
-def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: int = 0,
+def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("scripted"), seed: int = 0,
              max_turns: int = 8, max_context: int = 3072, recheck: int = 0, n_boot: int = 1000, progress: bool = True,
              user_workers: int = 256, price=(0.0, 0.0), max_sim_failures: float = 1.0) -> dict:
     """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each, with the
-    user each conversation gets from `user` (an envs.UserFactory, or a bare --user spec). A task with a trial whose
+    user each conversation gets from `user` (an envs.UserFactory). A task with a trial whose
     user simulator failed or broke the check (or whose env failed) leaves pass^k; more than max_sim_failures of the
-    episodes left out stops the evaluation with one line. "users": what the users did and cost (rollout.user_report,
+    episodes left out stops the evaluation with one line. "users": what the users did and cost (users.user_report,
     dollars at price), the re-runs of the failure analysis included.
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
@@ -242,7 +242,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: in
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, user_workers=user_workers)
     every = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
-    rollout.stop_if_many_left_out(every, max_sim_failures, "evaluation")
+    users.stop_if_many_left_out(every, max_sim_failures, "evaluation")
     lost = {tr.task_id for tr in every if tr.failed}  # a failed simulator is no evidence about the agent: such a
     trajs = [tr for tr in every if tr.task_id not in lost]   # task leaves pass^k (its trials pair up no more)
     rewards = {}
@@ -293,7 +293,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user="scripted", seed: in
             "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
             "metrics": {m: dict(v) for m, v in values.items()}, "seconds": time.time() - t0,
-            "users": rollout.user_report(every + reran, time.time() - t0, price),
+            "users": users.user_report(every + reran, time.time() - t0, price),
             "behaviour": behaviour(values, {t.id: t.domain for t in tasks})}
 
 
@@ -325,9 +325,9 @@ def ceiling(tok, tasks, user: str, args) -> dict | None:
     procedural = [t for t in tasks if envs.DOMAINS[t.domain] == "ours"]
     if user.partition(":")[0] not in CEILING_USERS or not procedural:
         return None
-    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, procedural, group_size=args.trials, user=user,
-                                 seed=args.seed, max_turns=args.max_turns, max_context=args.max_context,
-                                 progress=False)
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, procedural, group_size=args.trials,
+                                 user=envs.UserFactory(user), seed=args.seed, max_turns=args.max_turns,
+                                 max_context=args.max_context, progress=False)
     values, by_id = {m: defaultdict(list) for m in METRICS}, {t.id: t for t in procedural}
     for tr in trajs:
         for m, v in episode_metrics(by_id[tr.task_id], tr).items():
@@ -471,7 +471,7 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
 
 
 def users_table(results: dict) -> list[str]:
-    """The users of each agent's evaluation (rollout.user_report), a row each: [] when none was reported."""
+    """The users of each agent's evaluation (users.user_report), a row each: [] when none was reported."""
     rows = {a: r["tau"]["users"] for a, r in results.items() if "users" in r["tau"]}
     counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"   # noqa: E731
     share = lambda u: "" if u["user_wait_share"] is None else f" ({u['user_wait_share']:.0%})"   # noqa: E731
@@ -632,7 +632,7 @@ def main(argv=None):
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +
                   f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
                   f"  simulator failures {tau['sim_failures']} ({tau['tasks_lost']} tasks left out)  stops {tau['stop_reasons']}"
-                  f"  {tau['seconds']:.0f}s  {rollout.user_line(tau['users'])}")
+                  f"  {tau['seconds']:.0f}s  {users.user_line(tau['users'])}")
         del agent
     if not results:
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")

@@ -151,7 +151,7 @@ def sample_groups(draw, pools, step, args):
         groups = draw(order[index * args.draw:(index + 1) * args.draw], step, index)
         failed = [t for g in groups for t in g if t.failed]   # a user or env failed, or a user broke the check
         if failed:
-            rollout.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
+            users.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
         left += failed
         groups = [[t for t in g if not t.failed] for g in groups]
         drawn, varied = drawn + groups, varied + [g for g in groups if has_signal(g)]
@@ -228,7 +228,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
     fast = args.logprob_pass == "fast"
     minis = []                                    # each mini-batch's micro-batches; their rows index trajs and adv
     for rows in [order[s:s + size] for s in range(0, len(order), size)]:
-        micro = rollout.micro_batches([trajs[i].token_ids for i in rows], [trajs[i].loss_mask for i in rows],
+        micro = common.micro_batches([trajs[i].token_ids for i in rows], [trajs[i].loss_mask for i in rows],
                                       args.micro_batch, pad_id, [getattr(trajs[i], "domain", None) for i in rows],
                                       shortest_first=True, device=model.device)
         micro = common.cut_shared_prefix(micro) if fast and args.grad_checkpointing == "off" else micro
@@ -380,7 +380,7 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
 
 def step_metrics(step, drawn, kept, left, stats, seconds, price) -> dict:
     """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (stats: the
-    update's sums, None when no group was kept), and what its users did and cost (rollout.user_report; their waiting's share
+    update's sums, None when no group was kept), and what its users did and cost (users.user_report; their waiting's share
     of the step's sampling and update time). Entropy is the mean -log p of the sampled tokens."""
     every = [t for g in drawn for t in g]
     rewards, sampled = torch.tensor([t.reward for t in every]), sum(sum(t.loss_mask) for t in every)
@@ -393,7 +393,7 @@ def step_metrics(step, drawn, kept, left, stats, seconds, price) -> dict:
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
                 train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
                 sim_failures=len(left), **seconds, tok_per_s=seconds["rollout_s"] and sampled / seconds["rollout_s"],
-                **rollout.user_report(every + left, seconds["rollout_s"] and seconds["rollout_s"] + seconds["train_s"],
+                **users.user_report(every + left, seconds["rollout_s"] and seconds["rollout_s"] + seconds["train_s"],
                                       price))
 
 
@@ -406,7 +406,7 @@ def log(args, metrics, m, tracker=None):
               f"{m['groups_varied']} with signal of {m['groups_drawn']} ({m['signal_token_share']:.0%} of tokens) | "
               f"kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')} | gnorm "
               f"{f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | "
-              f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s | {rollout.user_line(m)}", flush=True)
+              f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s | {users.user_line(m)}", flush=True)
     if "heldout_by_user" in m:
         print(f"step {m['step']:3d} | held-out pass^1 " + ", ".join(f"{v:.3f} under {u}" for u, v in
               m["heldout_by_user"].items()) + f" on {args.eval_tasks * len(args.domains.split(','))} tasks", flush=True)

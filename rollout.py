@@ -19,7 +19,6 @@ Simplifications vs the paper
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import re
 import shutil
@@ -27,7 +26,6 @@ import tempfile
 import time
 import warnings
 import zlib
-from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -312,40 +310,6 @@ class Trajectory:
         return "\n".join(lines + (["-- diff vs gold:\n" + self.diff] if self.diff else []))
 
 
-class MicroBatch(NamedTuple):
-    """Rows of a training pass: ids, attn (attention mask), mask (loss mask), each (b, T) long, right-padded.
-    key: the rows' domain. prefix: the untrained tokens all of a key's rows start with, when a pass has cut them
-    off the rows to run them once (common.cut_shared_prefix); None: nothing cut."""
-    rows: list                  # indices into the sequences given
-    ids: torch.Tensor
-    attn: torch.Tensor
-    mask: torch.Tensor
-    key: object = None
-    prefix: torch.Tensor | None = None
-
-
-def micro_batches(token_ids, loss_masks, size: int, pad_id: int, keys=None, shortest_first=False, max_len=None,
-                  device=None) -> list[MicroBatch]:
-    """Sequences (each row's token ids and loss mask) -> micro-batches of `size` rows: a key's rows together (keys
-    in first-seen order), rows as given or shortest first (less padding; a stable sort), each right-padded and cut at
-    max_len. The masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which the policy
-    samples and is trained on."""
-    by_key, order = {}, range(len(token_ids))
-    for i in sorted(order, key=lambda i: len(token_ids[i])) if shortest_first else order:
-        by_key.setdefault(None if keys is None else keys[i], []).append(i)
-    out = []
-    for key, idx in by_key.items():
-        for rows in (idx[s:s + size] for s in range(0, len(idx), size)):
-            T = min(max(len(token_ids[i]) for i in rows), max_len or math.inf)
-            ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-            attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-            for r, i in enumerate(rows):
-                n = min(T, len(token_ids[i]))
-                ids[r, :n], attn[r, :n], mask[r, :n] = torch.tensor(token_ids[i][:n]), 1, torch.tensor(loss_masks[i][:n])
-            out.append(MicroBatch(rows, ids.to(device), attn.to(device), mask.to(device), key))
-    return out
-
-
 def save_trajectories(path: str, trajs: list[Trajectory]):
     """Whole Trajectories, one JSON line each (rl.py's <out>/rollouts/, eval.py's episodes; scripts/viewer.py reads
     them)."""
@@ -440,7 +404,6 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
     made = []   # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
     for i, task in enumerate(tasks):
         make_user = user[i] if isinstance(user, list) else user
-        make_user = make_user if callable(make_user) else envs.UserFactory(make_user)   # a bare --user spec
         for g in trials:
             env = envs.make_env(task, shaped=shaped)   # the task's world's env; τ²'s telecom user acts on it too
             made.append((env, make_user(task, zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env), i, g))
@@ -580,15 +543,16 @@ def checked_user_turn(traj, said, fmt, flagged: list):
     traj.messages[-1].update(checked(traj, said, flagged))
 
 
-def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", max_turns: int = 30,
+def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFactory("scripted"), max_turns: int = 30,
                  max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
                  user_workers: int = 256, first_trial: int = 0) -> list[Trajectory]:
     """len(tasks) * group_size rollouts, task-major: trials first_trial .. first_trial + group_size - 1 of each
     task (rl.py --screen samples a group's first trials, then the rest of some). Each round every conversation
     waiting on the agent is advanced by one agent.act() call; then each runs its tool call or gets its user's
     reply, users asked together (user_workers at a time: an LLM user waits on the network). user: who builds each
-    conversation's simulated user, an envs.UserFactory (the stage builds it once from its --user flags) or a bare
-    --user spec; or a list of them, one per task (rl.py's curve runs each of its users' episodes in one batch).
+    conversation's simulated user, (task, seed, env) -> users.User: an envs.UserFactory, which a stage builds once
+    from its --user flags (common.user_factory); or a list of them, one per task (rl.py's curve runs each of its
+    users' episodes in one batch).
     Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs). The chat
     format (e.g. thinking on or off) is the agent's."""
     fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
@@ -639,48 +603,7 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user="scripted", 
     return [conv.traj for conv in convs]
 
 
-# ----------------------------------------------------------------------------- what the users did and cost
-
-def user_report(trajs, wall_s=None, price=(0.0, 0.0)) -> dict:
-    """What the simulated users of these rollouts cost and where the check stepped in: a step's numbers (rl.py's
-    metrics.jsonl and log line, the tracker) and an evaluation's (eval.py's results). requests: every HTTP request
-    sent; retries: the client's; asked_again: the check's re-asks; prompt and completion tokens; dollars at price
-    (USD per million prompt and completion tokens, --user-price); seconds waited on users (each rollout holds its
-    share of each round's wait, so they add up to wall time) and their share of wall_s; flags: the check's, per
-    reason; left_out: the rollouts left out, per reason (a check reason: the user broke it; user_failed: its
-    simulator failed; env_failed)."""
-    usage, flags = Counter(), Counter()
-    for t in trajs:
-        usage.update(t.stats.get("user_usage", {}))
-        flags.update(t.stats.get("user_flags", {}))
-    wait = sum(t.stats.get("user_wait_s", 0.0) for t in trajs)
-    return dict(user_requests=usage["requests"], user_retries=usage["retries"],
-                user_asked_again=sum(t.stats.get("user_asked_again", 0) for t in trajs),
-                user_prompt_tokens=usage["prompt_tokens"], user_completion_tokens=usage["completion_tokens"],
-                user_dollars=(usage["prompt_tokens"] * price[0] + usage["completion_tokens"] * price[1]) / 1e6,
-                user_wait_s=wait, user_wait_share=wait / wall_s if wall_s else None, user_flags=dict(flags),
-                left_out=dict(Counter(t.stats.get("user_broke") or f"{t.failed}_failed" for t in trajs if t.failed)))
-
-
-def user_line(r: dict) -> str:
-    """A user_report in one line, for a step's or an evaluation's log."""
-    counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"   # noqa: E731
-    share = "" if r["user_wait_share"] is None else f" ({r['user_wait_share']:.0%})"
-    return (f"users {r['user_requests']} req ({r['user_retries']} retried, {r['user_asked_again']} asked again), "
-            f"{r['user_prompt_tokens'] / 1e3:.1f}k+{r['user_completion_tokens'] / 1e3:.1f}k tok, "
-            f"${r['user_dollars']:.2f}, waited {r['user_wait_s']:.0f} s{share} | flagged {counts(r['user_flags'])} | "
-            f"left out {counts(r['left_out'])}")
-
-
-def stop_if_many_left_out(trajs, limit: float, where: str):
-    """Stop with one line when more than `limit` (--max-sim-failures) of trajs were left out: their user simulator
-    failed or broke the check, or their env failed. So many 0s would be the infrastructure's, not the agent's."""
-    left = [t for t in trajs if t.failed]
-    if len(left) > limit * len(trajs):
-        raise SystemExit(f"{where}: {len(left)} of {len(trajs)} rollouts left out (their user simulator failed or "
-                         f"broke the check, or their env failed), more than --max-sim-failures {limit}: "
-                         f"{left[0].stats.get('error')}")
-
+# ----------------------------------------------------------------------------- the check, afterwards
 
 def check_episode(task, traj) -> list[tuple[int, str]]:
     """The check run afterwards on each user message of a finished episode of ours, as run_episodes runs it on an

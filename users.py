@@ -8,7 +8,7 @@ the policy or the DB. One interface, User.first_message() / User.reply(messages)
   OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
   LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
-USER_KINDS is the table of --user kinds (make_user builds from it, common.check_args validates with it).
+USER_KINDS is the table of --user kinds (make_user builds each, common.check_args validates with it).
 rollout.run_episodes asks them for replies (ask_users: many LLM users at once) and checks an LLM user's (check_turn:
 a stop before the needed write, a fact the task does not hold, the agent's voice, nothing). Imports nothing of ours.
 """
@@ -18,6 +18,7 @@ import os
 import random
 import re
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -47,6 +48,11 @@ class User:
 
     def __init__(self, task):
         self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
+
+    @classmethod
+    def build(cls, task, seed: int, arg: str, **kw) -> "User":
+        """How USER_KINDS makes one: the task, the conversation's seed, what followed "KIND:", a kind's settings."""
+        return cls(task, **kw)
 
     def first_message(self) -> str: raise NotImplementedError               # noqa: E704
     def reply(self, messages: list[dict]) -> str: raise NotImplementedError  # noqa: E301, E704
@@ -355,11 +361,10 @@ def personas_of(arg: str) -> list[str]:
     return [n for n in (arg or "default").split("+")]
 
 
-def scripted_user(task, seed: int, arg: str = "") -> ScriptedUser:
-    """The scripted user of one conversation: its persona (drawn by seed from a mix of several), seeded."""
+def persona(arg: str, seed: int) -> str:
+    """The persona of one conversation with a scripted spec's ARG: its one name, or one drawn by seed from a mix."""
     names = personas_of(arg)
-    name = names[0] if len(names) == 1 else random.Random(f"persona|{seed}").choice(names)
-    return PERSONAS[name].cls(task, seed)
+    return names[0] if len(names) == 1 else random.Random(f"persona|{seed}").choice(names)
 
 
 class NoUser(User):
@@ -482,6 +487,10 @@ class OpenAIUser(LLMUser):
     raises UserSimulatorError. usage also counts requests (every HTTP request sent) and retries (those beyond the
     first of a message)."""
     concurrent = True      # it waits on the network; its client is thread-safe
+
+    @classmethod
+    def build(cls, task, seed: int, arg: str, **kw) -> "OpenAIUser":
+        return cls(task, arg, **kw)                # arg: the server's model
 
     def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=6,
                  temperature=0.0, max_tokens=256, check_retries=None):
@@ -645,16 +654,19 @@ class UserKind(NamedTuple):
     help: str
 
 
+def scripted_user(task, seed: int, arg: str, **kw) -> ScriptedUser:
+    """The scripted user of one conversation: its persona's (ARG names one, or a mix one is drawn from by seed)."""
+    return PERSONAS[persona(arg, seed)].cls(task, seed)
+
+
 # THE table of user kinds (--user KIND or KIND:ARG): make_user builds from it, and common.check_args and --help read
 # it, so a user added here is a valid --user everywhere.
 USER_KINDS = {
-    "scripted": UserKind(lambda task, seed, arg, **kw: scripted_user(task, seed, arg), "[PERSONA|train|heldout|A+B]",
-                         "rule-based and seeded (PERSONAS; plain: default; train: a training persona drawn per "
-                         "conversation)"),
-    "none": UserKind(lambda task, seed, arg, **kw: NoUser(task), "", "no user: the whole instruction up front"),
-    "local": UserKind(lambda task, seed, arg, **kw: LocalUser(task, **kw), "", "the policy's base model plays it"),
-    "openai": UserKind(lambda task, seed, arg, **kw: OpenAIUser(task, arg, **kw), "MODEL",
-                       "an OpenAI-compatible server's model"),
+    "scripted": UserKind(scripted_user, "[PERSONA|train|heldout|A+B]", "rule-based and seeded (PERSONAS; plain: "
+                         "default; train: a training persona drawn per conversation)"),
+    "none": UserKind(NoUser.build, "", "no user: the whole instruction up front"),
+    "local": UserKind(LocalUser.build, "", "the policy's base model plays it"),
+    "openai": UserKind(OpenAIUser.build, "MODEL", "an OpenAI-compatible server's model"),
     "oracle": UserKind(None, "", "a benchmark's gold user (τ², ACEBench), for the oracle agent"),
 }
 
@@ -692,9 +704,53 @@ def check_user(spec: str, training: bool = False) -> str | None:
 
 
 def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:
-    """envs.make_user for our domains: USER_KINDS[KIND].build(task, seed, ARG, **kw) for spec "KIND" or
-    "KIND:ARG" (user_help()); env unused."""
-    kind = spec.partition(":")[0]
+    """envs.make_user for our domains: USER_KINDS[KIND].build(task, seed, ARG, **kw) for spec "KIND" or "KIND:ARG"
+    (user_help()); kw: what an LLM user takes (an openai: user's server, a local one's model; check_retries). env
+    unused."""
+    kind, _, arg = spec.partition(":")
     if (error := check_user(spec)) or USER_KINDS[kind].build is None:
         raise SystemExit(error or f"user {spec!r} plays only a benchmark's tasks; use {user_help()}")
-    return USER_KINDS[kind].build(task, seed, spec.partition(":")[2], **kw)
+    return USER_KINDS[kind].build(task, seed, arg, **kw)
+
+
+# ----------------------------------------------------------------------------- what the users did and cost
+
+def user_report(trajs, wall_s=None, price=(0.0, 0.0)) -> dict:
+    """What the simulated users of these rollouts cost and where the check stepped in: a step's numbers (rl.py's
+    metrics.jsonl and log line, the tracker) and an evaluation's (eval.py's results). requests: every HTTP request
+    sent; retries: the client's; asked_again: the check's re-asks; prompt and completion tokens; dollars at price
+    (USD per million prompt and completion tokens, --user-price); seconds waited on users (each rollout holds its
+    share of each round's wait, so they add up to wall time) and their share of wall_s; flags: the check's, per
+    reason; left_out: the rollouts left out, per reason (a check reason: the user broke it; user_failed: its
+    simulator failed; env_failed)."""
+    usage, flags = Counter(), Counter()
+    for t in trajs:
+        usage.update(t.stats.get("user_usage", {}))
+        flags.update(t.stats.get("user_flags", {}))
+    wait = sum(t.stats.get("user_wait_s", 0.0) for t in trajs)
+    return dict(user_requests=usage["requests"], user_retries=usage["retries"],
+                user_asked_again=sum(t.stats.get("user_asked_again", 0) for t in trajs),
+                user_prompt_tokens=usage["prompt_tokens"], user_completion_tokens=usage["completion_tokens"],
+                user_dollars=(usage["prompt_tokens"] * price[0] + usage["completion_tokens"] * price[1]) / 1e6,
+                user_wait_s=wait, user_wait_share=wait / wall_s if wall_s else None, user_flags=dict(flags),
+                left_out=dict(Counter(t.stats.get("user_broke") or f"{t.failed}_failed" for t in trajs if t.failed)))
+
+
+def user_line(r: dict) -> str:
+    """A user_report in one line, for a step's or an evaluation's log."""
+    counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"   # noqa: E731
+    share = "" if r["user_wait_share"] is None else f" ({r['user_wait_share']:.0%})"
+    return (f"users {r['user_requests']} req ({r['user_retries']} retried, {r['user_asked_again']} asked again), "
+            f"{r['user_prompt_tokens'] / 1e3:.1f}k+{r['user_completion_tokens'] / 1e3:.1f}k tok, "
+            f"${r['user_dollars']:.2f}, waited {r['user_wait_s']:.0f} s{share} | flagged {counts(r['user_flags'])} | "
+            f"left out {counts(r['left_out'])}")
+
+
+def stop_if_many_left_out(trajs, limit: float, where: str):
+    """Stop with one line when more than `limit` (--max-sim-failures) of trajs were left out: their user simulator
+    failed or broke the check, or their env failed. So many 0s would be the infrastructure's, not the agent's."""
+    left = [t for t in trajs if t.failed]
+    if len(left) > limit * len(trajs):
+        raise SystemExit(f"{where}: {len(left)} of {len(trajs)} rollouts left out (their user simulator failed or "
+                         f"broke the check, or their env failed), more than --max-sim-failures {limit}: "
+                         f"{left[0].stats.get('error')}")

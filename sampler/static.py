@@ -38,7 +38,6 @@ Sampling weights (sample_weights; the seven projections of each layer, the rest 
         scale) block-diagonal, refreshed in place like bf16's copy. No copy of the base: the fit for a 24 GiB card.
   auto  bf16 where the copy, the update's reserve and the KV budget fit the free memory, else nf4 (choose_weights).
 """
-import math
 import sys
 import time
 import weakref

@@ -192,7 +192,7 @@ def report(task_list: list, off: dict, on: dict, args) -> dict:
          "pass1": {c: {"pass1": s["pass^k"][1], "ci": s["ci"][1], "n": s["n_tasks"]} for c, s in summary.items()},
          "paired_on_minus_off": ev.paired_difference(pass1(on, kept), pass1(off, kept), n_boot=10000),
          "left_out_scored_off": {"n": len(spared), "passed": sum(off[k].reward >= 1 for k in spared)},
-         "users": {c: rollout.user_report(list(run.values())) for c, run in (("off", off), ("on", on))}}
+         "users": {c: users.user_report(list(run.values())) for c, run in (("off", off), ("on", on))}}
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(r, f, indent=1)
     at = {(task.id, len(messages)) for task, messages, _, _ in flagged}     # flagged: (task, index of the message - 1)
@@ -234,7 +234,7 @@ def markdown(r: dict) -> str:
               f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}], on higher in {d['only_a']}, off higher in {d['only_b']}, "
               f"sign test p = {d['mcnemar_p']:.3f}." if d else "No task was kept by both runs.",
               f"The {spared['n']} episodes the check left out: the run without it passed {spared['passed']} of them.",
-              "", *(f"Users {c}: {rollout.user_line(u)}" for c, u in r["users"].items())]
+              "", *(f"Users {c}: {users.user_line(u)}" for c, u in r["users"].items())]
     return "\n".join(lines) + "\n"
 
 

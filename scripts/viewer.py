@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import rl  # noqa: E402
 import rollout  # noqa: E402
+import users  # noqa: E402
 
 esc = html.escape
 CSS = """
@@ -329,7 +330,7 @@ def step_line(m: dict | None) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)                    # noqa: E731
     share = f" ({m['signal_token_share']:.0%} of the tokens)" if "signal_token_share" in m else ""
     held = f" · held-out pass^1 after the step {m['heldout_pass1']:.3f}" if m.get("heldout_pass1") is not None else ""
-    held += f" · {esc(rollout.user_line(m))}" if "user_requests" in m else ""
+    held += f" · {esc(users.user_line(m))}" if "user_requests" in m else ""
     return (f"<p class=meta>reward {m['reward']:.3f} · pass rate {m['pass_rate']:.3f} · groups: {m['groups_drawn']} "
             f"drawn, {m['groups_varied']} with reward variance{share}, {m['groups_trained']} trained · kl "
             f"{f(m['kl'], '.5f')} · {m['tokens']} tokens sampled, {m['train_tokens']} trained · simulator failures "

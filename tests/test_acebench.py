@@ -90,7 +90,7 @@ def test_gold_path_through_run_episodes_scores_one_except_the_flawed_paths(tok):
     the process score (the gold path made, in order) is 1 on every case, flawed or not."""
     for d in ace.DOMAINS:
         tasks = ace.make_tasks(d, "test", 10**6)
-        trajs = rollout.run_episodes(GoldAgent(tok), tok, tasks, user="oracle", max_turns=30, max_context=10**6,
+        trajs = rollout.run_episodes(GoldAgent(tok), tok, tasks, user=envs.UserFactory("oracle"), max_turns=30, max_context=10**6,
                                      progress=False)
         assert {t.task_id for t in trajs if t.reward != 1.0} == {i for i in GOLD_FAILS if i.startswith(d)}
         assert all(process(t) == 1.0 for t in trajs)

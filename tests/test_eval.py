@@ -219,7 +219,7 @@ def test_grid_of_agents_and_users_is_the_two_by_two(tasks, tok):
     results = {}
     for name, agent in [("oracle", OracleAgent(tok)), ("writer", WriteAndWaitAgent(tok))]:
         for user in ("scripted", "none"):
-            results[f"{name} @ {user}"] = {"tau": ev.evaluate(agent, tok, tasks, trials=1, user=user, max_turns=8,
+            results[f"{name} @ {user}"] = {"tau": ev.evaluate(agent, tok, tasks, trials=1, user=envs.UserFactory(user), max_turns=8,
                                                               progress=False, n_boot=20)}
     pairs = {m: ev.pair_up(results, {t.id: t.domain for t in tasks}, metric=m)[0] for m in ("pass1", "asked_first")}
     assert list(pairs["pass1"]) == ["writer - oracle @ scripted", "writer - oracle @ none"]

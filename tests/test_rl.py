@@ -17,7 +17,8 @@ import torch
 import rl as rl_module
 from common import cut_shared_prefix
 from rl import group_advantages, grpo_loss, grpo_update, has_signal
-from rollout import micro_batches, reference_policy
+from common import micro_batches
+from rollout import reference_policy
 
 
 def batch_trajectories(trajs, pad_id):

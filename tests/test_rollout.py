@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import envs
 from envs import ours
 import rollout
 import users
@@ -439,7 +440,7 @@ def test_oracle_script_gets_reward_one_with_scripted_user(tok, domain):
 
 def test_no_user_ends_at_first_text_turn_and_context_limit(tok):
     task = tasks_by_scenario("retail")[0]
-    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], user="none", progress=False)[0]
+    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], user=envs.UserFactory("none"), progress=False)[0]
     assert (t.stop_reason, t.turns) == ("agent_stop", 1)
     t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], max_context=500, progress=False)[0]
     assert (t.stop_reason, t.turns) == ("context_limit", 0)       # the system prompt alone is ~1800 tokens

@@ -2,7 +2,7 @@
 breaks (a stop before the needed write, a fact the task does not hold, the agent's voice or template syntax, nothing);
 a flagged message is asked again, and an episode whose user still breaks is left out and counted, never scored as the
 agent's; no scripted persona trips it (the gold agent fast, the SFT agent slow); a scripted run is token for token
-what it was; what the users cost is reported (rollout.user_report); and scripts/user_check.py, which measures the
+what it was; what the users cost is reported (users.user_report); and scripts/user_check.py, which measures the
 check on a real LLM user, counts, resumes and reports what it ran.
 
 Run:  pytest tests/test_user_check.py            # ~1-2 min on 2 busy cores: the persona sweep is most of it
@@ -108,7 +108,7 @@ def persona_episodes(agent, tok, tasks, trials=1, seed=1):
     """Every persona x tasks, run by run_episodes; -> [(persona, task, trajectory)]."""
     out = []
     for name in U.PERSONAS:
-        trajs = rollout.run_episodes(agent, tok, tasks, group_size=trials, user=f"scripted:{name}", seed=seed,
+        trajs = rollout.run_episodes(agent, tok, tasks, group_size=trials, user=envs.UserFactory(f"scripted:{name}"), seed=seed,
                                      progress=False, max_turns=14)
         out += [(name, tasks[t.group], t) for t in trajs]
     return out
@@ -157,11 +157,11 @@ def test_a_checked_scripted_user_gives_the_same_trajectories_and_draws_no_random
     tasks = envs.make_tasks("retail", "train", 7) + envs.make_tasks("airline", "train", 5)
 
     def checked(task, seed, env):
-        user = U.scripted_user(task, seed, "train")
+        user = U.make_user("scripted:train", task, seed)
         user.check_retries = 2
         return user
-    plain = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=2, user="scripted:train", seed=5,
-                                 progress=False)
+    plain = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=2,
+                                 user=envs.UserFactory("scripted:train"), seed=5, progress=False)
     states = random.getstate(), torch.get_rng_state()
     same = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=2, user=checked, seed=5,
                                 progress=False)
@@ -206,7 +206,7 @@ def test_each_kind_of_break_is_caught_and_a_re_ask_that_mends_it_gives_the_clean
     assert all(not t.failed and t.stats["user_asked_again"] == sum(t.stats["user_flags"].values()) for t in trajs)
     shown = [m for t in trajs for m in t.messages if m.get("flagged")]
     assert [f["said"] for m in shown for f in m["flagged"]] == [BREAKS[reason]] * (len(tasks) + 1)
-    report = rollout.user_report(trajs, wall_s=10.0)
+    report = U.user_report(trajs, wall_s=10.0)
     assert report["user_flags"] == {reason: len(tasks) + 1} and report["user_asked_again"] == len(tasks) + 1
     assert report["left_out"] == {} and report["user_requests"] == srv.requests
 
@@ -231,7 +231,7 @@ def test_a_user_that_never_mends_is_left_out_counted_and_never_scored_as_the_age
     assert broke.messages[-1] == {"role": "user", "content": "", "broke": "early_stop",
                                   "flagged": [{"said": BREAKS["early_stop"], "reason": "early_stop"}] * 3}
     assert all(t.reward == 1.0 for t in trajs if not t.failed)
-    assert rollout.user_report(trajs)["left_out"] == {"early_stop": 1}
+    assert U.user_report(trajs)["left_out"] == {"early_stop": 1}
     assert [t.task_id for t in left] == [tasks[1].id] and tasks[1].id not in {t.task_id for g in drawn for t in g}
 
     args.max_sim_failures = 0.2                                     # 1 of 4 left out is more than that: one line

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import envs
 import rollout
 import users as U
 from fault_server import FAULTS, FaultServer, scripted_answer
@@ -178,7 +179,7 @@ def test_scripted_users_give_the_tokens_they_gave_before_the_change(tok):
     tasks = ours.make_tasks("retail", "train", 4) + ours.make_tasks("airline", "train", 4)
     for name, agent in (("oracle", rollout.OracleAgent(tok)), ("rambler", Rambler(tok))):
         h = hashlib.sha256()
-        for t in rollout.run_episodes(agent, tok, tasks, group_size=2, user="scripted", max_turns=12, seed=3,
+        for t in rollout.run_episodes(agent, tok, tasks, group_size=2, user=envs.UserFactory("scripted"), max_turns=12, seed=3,
                                       progress=False):
             h.update(json.dumps([t.token_ids, t.loss_mask, t.reward, t.stop_reason]).encode())
         assert h.hexdigest() == SCRIPTED_REFERENCE[name], name
