@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import sys
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -267,12 +266,6 @@ def user_factory(args, model=None, tokenizer=None, spec=None):
     return envs.UserFactory(spec, settings)
 
 
-def run_seed(seed: int, step: int, draw: int | None = None) -> int:
-    """A step's seed from --seed: of its task order and its mini-batches (draw None), or of the episodes of its
-    draw-th batch; so a resumed run draws, samples and splits as the first run did."""
-    return seed * 1_000_003 + (step if draw is None else step * 101 + draw)
-
-
 def log_metrics(out: str, metrics: list, m: dict, tracker=None):
     """A step's numbers: appended to metrics and, as a line, to <out>/metrics.jsonl (and to the tracker, if one)."""
     metrics.append(m)
@@ -452,7 +445,7 @@ def resume(out, model, optimizer, scheduler=None) -> tuple[int, list[dict]]:
 
 
 # ----------------------------------------------------------------------------- training passes
-# sft.py and rl.py (--logprob-pass fast) train on micro-batches of trajectories (micro_batches), most rows
+# sft.py and rl.py (--logprob-pass fast) train on micro-batches of trajectories (rollout.micro_batches), most rows
 # starting with their domain's system prompt. What follows cuts that shared prefix off and runs it once a pass, and
 # gives the per-token log-probs of the tokens that were sampled (kernels.masked_logprobs_chunked under the lm_head).
 
@@ -496,43 +489,8 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
 
 
-class MicroBatch(NamedTuple):
-    """Rows of a training pass: ids, attn (attention mask), mask (loss mask), each (b, T) long, right-padded.
-    key: the rows' domain. prefix: the untrained tokens all of a key's rows start with, when a pass has cut them
-    off the rows to run them once (common.cut_shared_prefix); None: nothing cut."""
-    rows: list                  # indices into the sequences given
-    ids: torch.Tensor
-    attn: torch.Tensor
-    mask: torch.Tensor
-    key: object = None
-    prefix: torch.Tensor | None = None
-
-
-def micro_batches(token_ids, loss_masks, size: int, pad_id: int, keys=None, shortest_first=False, max_len=None,
-                  device=None) -> list[MicroBatch]:
-    """Sequences (each row's token ids and loss mask) -> micro-batches of `size` rows: a key's rows together (keys
-    in first-seen order), rows as given or shortest first (less padding; a stable sort), each right-padded and cut at
-    max_len. The masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which the policy
-    samples and is trained on."""
-    by_key, order = {}, range(len(token_ids))
-    for i in sorted(order, key=lambda i: len(token_ids[i])) if shortest_first else order:
-        by_key.setdefault(None if keys is None else keys[i], []).append(i)
-    out = []
-    for key, idx in by_key.items():
-        for rows in (idx[s:s + size] for s in range(0, len(idx), size)):
-            T = min(max(len(token_ids[i]) for i in rows), max_len or math.inf)
-            ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-            attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-            for r, i in enumerate(rows):
-                n = min(T, len(token_ids[i]))
-                ids[r, :n], attn[r, :n] = torch.tensor(token_ids[i][:n]), 1
-                mask[r, :n] = torch.tensor(loss_masks[i][:n])
-            out.append(MicroBatch(rows, ids.to(device), attn.to(device), mask.to(device), key))
-    return out
-
-
 def cut_shared_prefix(micro: list) -> list:
-    """micro_batches with the tokens each key's rows all start with and none trains on (shared_prefix_len)
+    """rollout.micro_batches with the tokens each key's rows all start with and none trains on (shared_prefix_len)
     cut off the rows and kept once, as the micro-batches' prefix: shared_prefix_logprobs runs it once a pass."""
     out = []
     for _, run in itertools.groupby(micro, key=lambda b: b.key):     # a key's micro-batches are consecutive

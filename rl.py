@@ -51,6 +51,8 @@ PRESETS = {
                   tiers="easy", user="scripted", ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off"),
 }
 TASK_POOL = 1000     # train tasks generated per domain to draw from
+SEED_STRIDE = 1_000_003   # a step's seeds from --seed: seed * SEED_STRIDE + step (its task order, its mini-batches), and
+                          # seed * SEED_STRIDE + step * 101 + draw (a draw's episodes): a resumed run redoes them all
 RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budget", "max_sim_failures", "user_timeout"}
 
 
@@ -143,7 +145,7 @@ def sample_groups(draw, pools, step, args):
     """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws; draw(tasks, step, index) ->
     the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed or broke
     the check, or whose env failed, is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
-    rng = random.Random(common.run_seed(args.seed, step))      # its own: a resumed run redraws the same tasks
+    rng = random.Random(args.seed * SEED_STRIDE + step)      # its own: a resumed run redraws the same tasks
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]   # the domains alternate
     drawn, varied, left = [], [], []
@@ -166,20 +168,18 @@ def sample_draw(agent, tok, args, make_user, tasks, step, index, trials=None) ->
     a, b = trials or (0, args.group_size)
     trajs = rollout.run_episodes(agent, tok, tasks, group_size=b - a, first_trial=a, user=make_user,
                                  max_turns=args.max_turns, max_context=args.max_context,
-                                 seed=common.run_seed(args.seed, step, index), shaped=args.reward == "shaped",
+                                 seed=args.seed * SEED_STRIDE + step * 101 + index, shaped=args.reward == "shaped",
                                  user_workers=args.user_workers)
-    rollout.save_trajectories(os.path.join(args.out, "rollouts", draw_file(step, index, trials)), trajs)
+    name = f"step-{step + 1:06d}-draw-{index}" + (f"-trials-{a}-{b}" if trials else "") + ".jsonl"
+    rollout.save_trajectories(os.path.join(args.out, "rollouts", name), trajs)
     return [trajs[s:s + b - a] for s in range(0, len(trajs), b - a)]
-
-
-def draw_file(step, index, trials=None) -> str:
-    return f"step-{step + 1:06d}-draw-{index}" + (f"-trials-{trials[0]}-{trials[1]}" if trials else "") + ".jsonl"
 
 
 def saved_draw(args, tasks, step, index, trials=None) -> list[list]:
     """--rollouts: sample_draw's groups as another run saved them, read back (update rules compared on identical
     rollouts)."""
-    if not os.path.isfile(path := os.path.join(args.rollouts, draw_file(step, index, trials))):
+    name = f"step-{step + 1:06d}-draw-{index}" + (f"-trials-{trials[0]}-{trials[1]}" if trials else "") + ".jsonl"
+    if not os.path.isfile(path := os.path.join(args.rollouts, name)):
         raise SystemExit(f"--rollouts {args.rollouts}: no {os.path.basename(path)}; that run drew fewer steps or "
                          "batches, or screened differently (--screen)")
     trajs, size = rollout.load_trajectories(path), (trials[1] - trials[0]) if trials else args.group_size
@@ -228,7 +228,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
     fast = args.logprob_pass == "fast"
     minis = []                                    # each mini-batch's micro-batches; their rows index trajs and adv
     for rows in [order[s:s + size] for s in range(0, len(order), size)]:
-        micro = common.micro_batches([trajs[i].token_ids for i in rows], [trajs[i].loss_mask for i in rows],
+        micro = rollout.micro_batches([trajs[i].token_ids for i in rows], [trajs[i].loss_mask for i in rows],
                                       args.micro_batch, pad_id, [getattr(trajs[i], "domain", None) for i in rows],
                                       shortest_first=True, device=model.device)
         micro = common.cut_shared_prefix(micro) if fast and args.grad_checkpointing == "off" else micro
@@ -345,7 +345,7 @@ def main(argv=None):
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
-                                seed=common.run_seed(args.seed, step), at_start=not optimizer.state)
+                                seed=args.seed * SEED_STRIDE + step, at_start=not optimizer.state)
         m = step_metrics(step, drawn, kept, left, stats, dict(rollout_s=None if args.rollouts else sampled_s,
                                                               train_s=time.time() - t0 - sampled_s), args.user_price)
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve

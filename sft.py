@@ -203,7 +203,7 @@ def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> floa
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
     goes through the model once for the group (common.cut_shared_prefix, shared_prefix_logprobs; exact).
     A batch holds one domain (epoch_batches)."""
-    micro = common.micro_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
+    micro = rollout.micro_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
                                   args.micro_batch_size, pad, keys=[domain_of(r) for r in batch], max_len=args.max_len,
                                   device=model.get_input_embeddings().weight.device)
     if args.share_prefix == "on" and args.grad_checkpointing == "off":

@@ -152,8 +152,8 @@ def make_rollout_func(args, tasks, tok, model):
         try:   # a fresh Env and simulated user per rollout, inside run_episodes; seeds differ by step and process
             trajs = rollout.run_episodes(agent, tok, [by_id[p] for p in prompts[::G]], group_size=G, user=make_user,
                                          max_turns=args.max_turns, max_context=args.max_context,
-                                         seed=common.run_seed(args.seed, trainer.state.global_step,
-                                                              trainer.accelerator.process_index),
+                                         seed=args.seed * rl.SEED_STRIDE + trainer.state.global_step * 101
+                                         + trainer.accelerator.process_index,
                                          shaped=args.reward == "shaped", progress=False,
                                          user_workers=args.user_workers)
         except users.UserSimulatorError as e:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common import sequence_logprobs, shared_prefix_logprobs
-from common import MicroBatch
+from rollout import MicroBatch
 from kernels import logprobs_torch, masked_logprobs, masked_logprobs_chunked
 from kernels.logprobs import HAVE_TRITON
 

@@ -17,8 +17,7 @@ import torch
 import rl as rl_module
 from common import cut_shared_prefix
 from rl import group_advantages, grpo_loss, grpo_update, has_signal
-from common import micro_batches
-from rollout import reference_policy
+from rollout import micro_batches, reference_policy
 
 
 def batch_trajectories(trajs, pad_id):
