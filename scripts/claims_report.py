@@ -20,10 +20,16 @@ POOLS = {"training personas": TRAIN, "held-out personas": HELDOUT, "no user": ["
 
 
 def pooled(results, out, arm, users, metric):
-    """{task: [its value under each of users]}: the users' episodes of a task kept together; None if any is missing."""
+    """{task: [its value under each of users]} of arm's adapter (pooled_agent)."""
+    return pooled_agent(results, f"{out}/{arm}/adapter", users, metric)
+
+
+def pooled_agent(results, agent, users, metric):
+    """{task: [its value under each of users]} of one agent of an eval.py results.json: the users' episodes of a task
+    kept together; None if any is missing (scripts/steps_report.py pools the same way)."""
     per_task = {}
     for u in users:
-        r = results.get(f"{out}/{arm}/adapter @ {u}")
+        r = results.get(f"{agent} @ {u}")
         if r is None:
             return None
         for task, values in r["tau"]["metrics"][metric].items():

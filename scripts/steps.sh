@@ -10,7 +10,8 @@
 # Each part is skipped when its output exists, so a rerun after a kill goes on where it stopped (sft.py and rl.py
 # resume from their checkpoints, eval.py from each agent and user it finished).
 # Run from the repository root:   bash scripts/steps.sh        (PYTHON=.venv/bin/python OUT=runs/steps K=4)
-#   SMOKE=1 bash scripts/steps.sh: every command in its --smoke form, K=2, OUT a temp dir (tests/test_steps.py)
+#   SMOKE=1 bash scripts/steps.sh: every command in its --smoke form, K=2, OUT a temp dir; MODEL=DIR passes --model DIR
+#   to each (tests/test_steps.py: a tiny model)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
 if [ -n "${SMOKE:-}" ]; then
@@ -18,19 +19,20 @@ if [ -n "${SMOKE:-}" ]; then
 else
   OUT=${OUT:-runs/steps} K=${K:-4} SMOKE= N_TASKS=20
 fi
+MODEL=${MODEL:+--model $MODEL}
 done_() { [ -f "$1/adapter_config.json" ] && echo "skip: $1 exists"; }
 timed() { /usr/bin/time -v -o "$1" "${@:2}"; }      # $1: where the wall time and peak memory go
 
 mkdir -p "$OUT/rl"
-done_ "$OUT/sft/adapter" || timed "$OUT/time-sft.txt" "$PY" sft.py $SMOKE --out "$OUT/sft"
+done_ "$OUT/sft/adapter" || timed "$OUT/time-sft.txt" "$PY" sft.py $SMOKE $MODEL --out "$OUT/sft"
 for k in $(seq 1 "$K"); do
   done_ "$OUT/step-$k" && continue
-  timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE --init "$OUT/sft/adapter" --steps "$k" --out "$OUT/rl"
+  timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE $MODEL --init "$OUT/sft/adapter" --steps "$k" --out "$OUT/rl"
   cp -r "$OUT/rl/adapter" "$OUT/step-$k.tmp" && mv "$OUT/step-$k.tmp" "$OUT/step-$k"
 done
 agents="$OUT/sft/adapter,$OUT/step-1"
 [ "$K" -gt 1 ] && agents="$agents,$OUT/step-$K"
-"$PY" eval.py $SMOKE --agents "$agents" --user scripted:curious,scripted:literal,scripted:train \
+"$PY" eval.py $SMOKE $MODEL --agents "$agents" --user scripted:curious,scripted:literal,scripted:train \
     --domains retail,airline --n-tasks $N_TASKS --seed 31 \
     --paired-metric pass1,correct_state,finished,facts_asked,asked_first,turns --out "$OUT/eval"
 "$PY" scripts/steps_report.py "$OUT" "$K"

@@ -10,6 +10,8 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+from claims_report import mean, num  # noqa: E402
+from claims_report import pooled_agent as pooled  # noqa: E402
 from common import figure, save_figure  # noqa: E402
 from eval import METRICS, paired_difference  # noqa: E402
 
@@ -18,30 +20,9 @@ POOLS = {"held-out personas (curious, literal; each task under each)": ["scripte
 HELDOUT, TRAIN = POOLS
 
 
-def pooled(results, agent, users, metric):
-    """{task: [its value under each of users]} of one agent; None if a user is not evaluated yet."""
-    per_task = {}
-    for u in users:
-        r = results.get(f"{agent} @ {u}")
-        if r is None:
-            return None
-        for task, values in r["tau"]["metrics"][metric].items():
-            per_task.setdefault(task, []).extend(values)
-    return per_task
-
-
-def mean(per_task):
-    vals = [v for vs in (per_task or {}).values() for v in vs if v is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
 def show(p):
     return "-" if p is None else (f"{p['diff']:+.3f} [{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}] ({p['only_a']} won, "
                                   f"{p['only_b']} lost, p = {p['mcnemar_p']:.3f})")
-
-
-def num(v, spec=".3f"):
-    return "-" if v is None else format(v, spec)
 
 
 def step_records(out, K):
@@ -80,10 +61,12 @@ def main(out, K):
         if k == 0:
             print(f"  step 0: curve {curve}")
             continue
+        kl = "-" if m["kl"] is None else format(m["kl"], ".5f")
+        process = "-" if m.get("process_s") is None else f"{m['process_s']:.0f} s"
+        peak = "-" if m.get("peak_gib") is None else f"{m['peak_gib']:.1f} GiB"
         print(f"  step {k}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of {m['groups_drawn']}, "
-              f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update "
-              f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; process {num(m.get('process_s'), '.0f')} s, "
-              f"peak {num(m.get('peak_gib'), '.1f')} GiB; curve {curve}")
+              f"kl {kl}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update {m['train_s']:.0f} s, "
+              f"step {m['s_per_step']:.0f} s; process {process}, peak {peak}; curve {curve}")
     for pool, users in POOLS.items():
         print(f"\n{pool}, 40 tasks of seed 31 (each task's episodes pooled):")
         print("| agent | " + " | ".join(METRICS.values()) + " | - SFT, pass^1 [95% CI] |\n|---|"
