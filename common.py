@@ -146,8 +146,8 @@ def add_user_args(p: Parser, default="scripted", several=False):
     import users
     g = p.group("world")
     g.add_argument("--user", default=default, help=f"user simulator: {users.user_help()} (users.USER_KINDS; "
-                   "personas and their train / held-out split: users.PERSONAS)" + ("; a comma list evaluates under "
-                   "each" * several))
+                   "personas and their train / held-out split: users.PERSONAS)"
+                   + ("; a comma list evaluates under each" if several else ""))
     g = p.group("more")
     g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")

@@ -405,7 +405,7 @@ def pair_up(results: dict, domain_of: dict, seed: int = 0, metric: str = "pass1"
         return paired_difference(keep(b), keep(a), seed=seed)
     def name(b, a):
         (agent_b, _, user), agent_a = b.partition(" @ "), a.partition(" @ ")[0]
-        return f"{agent_b} - {agent_a}" + f" @ {user}" * bool(user)
+        return f"{agent_b} - {agent_a}" + (f" @ {user}" if user else "")
     duos = [(b, a) for i, a in enumerate(labels) for b in labels[i + 1:] if a.partition(" @ ")[2] == b.partition(" @ ")[2]]
     overall = {name(b, a): pair(b, a) for b, a in duos}
     per_domain = {f"{name(b, a)} ({d})": pair(b, a, d) for d in domains if len(domains) > 1 for b, a in duos}
@@ -443,7 +443,9 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
     lines += ["", "What the agents did (docs/reference.md, Metrics): each metric's mean over the episodes it applies to, with "
               "their number where it is not every episode's.", "",
               "| agent | domain | episodes | " + " | ".join(METRICS.values()) + " |", "|---" * (len(METRICS) + 3) + "|"]
-    cell = lambda v, n=0: "-" if v["mean"] is None else f"{v['mean']:.3f}" + f" ({v['n']})" * (v["n"] < n)  # noqa: E731
+
+    def cell(v, n=0):                       # a mean, with the episodes it is over where it is not every one of n
+        return "-" if v["mean"] is None else f"{v['mean']:.3f}" + (f" ({v['n']})" if v["n"] < n else "")
     for a in agents:
         for g, b in results[a]["tau"]["behaviour"].items():
             n = b["pass1"]["n"]

@@ -5,7 +5,7 @@ binary rewards (sample_groups) -> advantages within each group whose rewards dif
 loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_update). Then held-out pass^1.
 
     python rl.py                        # from runs/sft/adapter; the CPU preset without a GPU, paper sizes with one
-    python rl.py --steps 3              # resume that run for two more steps
+    python rl.py --steps 3              # resume that run for two more steps (bash scripts/steps.sh: K steps, evaluated)
     python rl.py --sampler plain --logprob-pass plain     # the sampler and the update pass to read; the same numbers
     python rl.py --init base --out runs/rl_base           # an ablation (README: each into its own --out)
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
@@ -51,8 +51,9 @@ PRESETS = {
                   tiers="easy", user="scripted", ckpt_every=1, eval_every=2, eval_tasks=1, grad_checkpointing="off"),
 }
 TASK_POOL = 1000     # train tasks generated per domain to draw from
-SEED_STRIDE = 1_000_003   # a step's seeds from --seed: seed * SEED_STRIDE + step (its task order, its mini-batches), and
-                          # seed * SEED_STRIDE + step * 101 + draw (a draw's episodes): a resumed run redoes them all
+# A step's seeds from --seed: seed * SEED_STRIDE + step (its task order, its mini-batches), and seed * SEED_STRIDE +
+# step * 101 + draw (a draw's episodes): a resumed run draws, samples and splits as the first run did.
+SEED_STRIDE = 1_000_003
 RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budget", "max_sim_failures", "user_timeout"}
 
 
@@ -130,7 +131,8 @@ def parse_args(argv=None):
         common.fail("--screen", f"{args.screen}: 0 (off) or fewer rollouts than --group-size {args.group_size}")
     if args.rollouts and not os.path.isdir(args.rollouts):
         common.fail("--rollouts", f"{args.rollouts} is not a dir; use another run's <out>/rollouts")
-    args.eval_users = args.eval_users or args.user + ",scripted:heldout" * args.user.startswith("scripted")
+    if not args.eval_users:                       # the curve: the training user, and the held-out personas with it
+        args.eval_users = args.user + (",scripted:heldout" if args.user.startswith("scripted") else "")
     for u in args.eval_users.split(","):
         if error := users.check_user(u):
             common.fail("--eval-users", error)
