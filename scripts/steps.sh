@@ -4,12 +4,14 @@
 #   1. the cold start: python sft.py
 #   2. K steps of the CPU default, one rl.py process a step (each resumes the last; /usr/bin/time -v keeps each
 #      step's wall time and peak memory in <out>/rl/time-step-N.txt), each step's adapter kept as <out>/step-N
-#   3. the SFT adapter, step 1 and step K on 40 fresh held-out tasks (20 a domain, seed 31), greedy, paired task by
-#      task, under each held-out persona and under the training personas (one drawn per conversation)
-#   4. the bar, the tables and the curve: scripts/steps_report.py <out>
+#   3. the SFT adapter and the steps EVAL_STEPS (step 1 and step K) on 40 fresh held-out tasks (20 a domain, task seed
+#      SEED = 31), greedy, paired task by task, under each held-out persona and under the training personas (one
+#      drawn per conversation), into <out>/EVAL (eval)
+#   4. the bar, the tables and the curve: scripts/steps_report.py <out> K EVAL
 # Each part is skipped when its output exists, so a rerun after a kill goes on where it stopped (sft.py and rl.py
 # resume from their checkpoints, eval.py from each agent and user it finished).
 # Run from the repository root:   bash scripts/steps.sh        (PYTHON=.venv/bin/python OUT=runs/steps K=4)
+#   the second attempt: K=8 EVAL_STEPS="1 4 8" SEED=41 EVAL=eval2 bash scripts/steps.sh (steps 5-8 resume the run)
 #   SMOKE=1 bash scripts/steps.sh: every command in its --smoke form, K=2, OUT a temp dir; MODEL=DIR passes --model DIR
 #   to each (tests/test_steps.py: a tiny model)
 set -euo pipefail
@@ -19,7 +21,7 @@ if [ -n "${SMOKE:-}" ]; then
 else
   OUT=${OUT:-runs/steps} K=${K:-4} SMOKE= N_TASKS=20
 fi
-MODEL=${MODEL:+--model $MODEL}
+MODEL=${MODEL:+--model $MODEL} SEED=${SEED:-31} EVAL=${EVAL:-eval} EVAL_STEPS=${EVAL_STEPS:-"1 $K"}
 done_() { [ -f "$1/adapter_config.json" ] && echo "skip: $1 exists"; }
 timed() { /usr/bin/time -v -o "$1" "${@:2}"; }      # $1: where the wall time and peak memory go
 
@@ -30,9 +32,9 @@ for k in $(seq 1 "$K"); do
   timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE $MODEL --init "$OUT/sft/adapter" --steps "$k" --out "$OUT/rl"
   cp -r "$OUT/rl/adapter" "$OUT/step-$k.tmp" && mv "$OUT/step-$k.tmp" "$OUT/step-$k"
 done
-agents="$OUT/sft/adapter,$OUT/step-1"
-[ "$K" -gt 1 ] && agents="$agents,$OUT/step-$K"
+agents="$OUT/sft/adapter"
+for k in $(printf '%s\n' $EVAL_STEPS | sort -nu); do agents="$agents,$OUT/step-$k"; done
 "$PY" eval.py $SMOKE $MODEL --agents "$agents" --user scripted:curious,scripted:literal,scripted:train \
-    --domains retail,airline --n-tasks $N_TASKS --seed 31 \
-    --paired-metric pass1,correct_state,finished,facts_asked,asked_first,turns --out "$OUT/eval"
-"$PY" scripts/steps_report.py "$OUT" "$K"
+    --domains retail,airline --n-tasks $N_TASKS --seed "$SEED" \
+    --paired-metric pass1,correct_state,finished,facts_asked,asked_first,turns --out "$OUT/$EVAL"
+"$PY" scripts/steps_report.py "$OUT" "$K" "$EVAL"

@@ -1,7 +1,8 @@
 """The K-step result (docs/steps_preregistration.md): the bar, the paired table and the picture, from
-<out>/eval/results.json, <out>/rl/metrics.jsonl and each step's /usr/bin/time record. Run by scripts/steps.sh:
+<out>/<eval>/results.json, <out>/rl/metrics.jsonl and each step's /usr/bin/time record. Run by scripts/steps.sh:
 
-    python scripts/steps_report.py runs/steps 4
+    python scripts/steps_report.py runs/steps 4            (the first attempt's evaluation, <out>/eval)
+    python scripts/steps_report.py runs/steps 8 eval2      (the second's)
 
 Prints what is there; an agent or user not yet evaluated prints as "-"."""
 import json
@@ -41,13 +42,15 @@ def step_records(out, K):
     return steps
 
 
-def main(out, K):
+def main(out, K, evaluation="eval"):
     out = out.rstrip("/")
-    path = os.path.join(out, "eval", "results.json")
+    path, args = (os.path.join(out, evaluation, f) for f in ("results.json", "args.json"))
     results = json.load(open(path))["agents"] if os.path.exists(path) else {}
-    agents = {"SFT (the cold start)": f"{out}/sft/adapter", "RL, step 1 (the default)": f"{out}/step-1"}
-    if K > 1:
-        agents[f"RL, step {K}"] = f"{out}/step-{K}"
+    seed = json.load(open(args))["seed"] if os.path.exists(args) else "-"
+    evaluated = [k for k in range(1, K + 1) if any(a.startswith(f"{out}/step-{k} @ ") for a in results)]
+    agents = {"SFT (the cold start)": f"{out}/sft/adapter"}   # then each step evaluated (1 and K before any record)
+    for k in evaluated or sorted({1, K}):
+        agents[f"RL, step {k} (the default)" if k == 1 else f"RL, step {k}"] = f"{out}/step-{k}"
     sft = agents["SFT (the cold start)"]
 
     def diff(a, users, metric="pass1"):
@@ -68,12 +71,13 @@ def main(out, K):
               f"kl {kl}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update {m['train_s']:.0f} s, "
               f"step {m['s_per_step']:.0f} s; process {process}, peak {peak}; curve {curve}")
     for pool, users in POOLS.items():
-        print(f"\n{pool}, 40 tasks of seed 31 (each task's episodes pooled):")
+        print(f"\n{pool}, 40 tasks of seed {seed} (each task's episodes pooled):")
         print("| agent | " + " | ".join(METRICS.values()) + " | - SFT, pass^1 [95% CI] |\n|---|"
               + "---|" * (len(METRICS) + 1))
         for label, a in agents.items():
             print(f"| {label} | " + " | ".join(num(mean(pooled(results, a, users, m))) for m in METRICS) + " | "
                   + ("" if a == sft else show(diff(a, users))) + " |")
+    where_it_fails(results, agents)
     last = agents[list(agents)[-1]]
     held, train = diff(last, POOLS[HELDOUT]), diff(last, POOLS[TRAIN])
     print(f"\nthe bar (RL after {K} steps - SFT, pass^1):")
@@ -81,11 +85,31 @@ def main(out, K):
           + ("-" if held is None else "MET" if held["diff"] >= 0.10 and held["ci"][0] > 0 else "MISSED"))
     print(f"  training personas: {show(train)} (not below 0): "
           + ("-" if train is None else "MET" if train["diff"] >= 0 else "MISSED"))
-    picture(out, steps, {label: [mean(pooled(results, a, users, "pass1")) for users in POOLS.values()]
-                         for label, a in agents.items()}, held, K)
+    finals = {label: [mean(pooled(results, a, users, "pass1")) for users in POOLS.values()]
+              for label, a in agents.items()}
+    picture(os.path.join(out, evaluation, "steps.png"), steps, finals, held, K)
 
 
-def picture(out, steps, finals, held, K):
+def where_it_fails(results, agents):
+    """pass^1 of each agent under each user, a domain at a time, and how its episodes stopped: which personas and
+    tasks the steps move, and whether the failures run out of turns (max_turns) or end on a wrong state."""
+    users = [u for pool in POOLS.values() for u in pool]
+    print("\nby user and domain (pass^1 retail / airline; how the episodes stopped):")
+    print("| agent | " + " | ".join(users) + " |\n|---|" + "---|" * len(users))
+    for label, a in agents.items():
+        cells = []
+        for u in users:
+            r = results.get(f"{a} @ {u}", {}).get("tau")
+            if r is None:
+                cells.append("-")
+                continue
+            by = [num(r["per_domain"][d]["pass^k"]["1"]) for d in ("retail", "airline") if d in r["per_domain"]]
+            stops = ", ".join(f"{k} {v}" for k, v in sorted(r["stop_reasons"].items()))
+            cells.append(f"{' / '.join(by)} ({stops})")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def picture(path, steps, finals, held, K):
     """Left: the curve over the K steps under each user set; right: the paired evaluation's pass^1 of each agent."""
     fig, (left, right) = figure(2, (11, 3.8))
     users = sorted({u for m in steps.values() for u in m.get("heldout_by_user", {})})
@@ -106,9 +130,10 @@ def picture(out, steps, finals, held, K):
                   "-, -]" if held is None else f"{held['ci'][0]:+.2f}, {held['ci'][1]:+.2f}]"))
     right.title.set_fontsize(9)
     right.legend(fontsize=8, loc="upper right")
-    save_figure(fig, os.path.join(out, "steps.png"), dpi=100)
-    print(f"picture: {os.path.join(out, 'steps.png')}")
+    save_figure(fig, path, dpi=100)
+    print(f"picture: {path}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs/steps", int(sys.argv[2]) if len(sys.argv) > 2 else 4)
+    main(sys.argv[1] if len(sys.argv) > 1 else "runs/steps", int(sys.argv[2]) if len(sys.argv) > 2 else 4,
+         sys.argv[3] if len(sys.argv) > 3 else "eval")

@@ -36,4 +36,4 @@ def test_the_preregistered_evaluation_runs_in_smoke_form_and_the_report_prints_t
     bar = run.stdout[run.stdout.index("the bar"):]
     assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
     assert "training personas: +0.000 [+0.000, +0.000]" in bar and "(not below 0): MET" in bar
-    assert os.path.exists(out / "steps.png")
+    assert os.path.exists(out / "eval" / "steps.png")
