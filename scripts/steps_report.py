@@ -125,11 +125,11 @@ def picture(path, steps, finals, held, K):
         for x, y in zip(xs, ys):
             right.text(x, (y or 0) + 0.015, "n/a" if y is None else f"{y:.2f}", ha="center", fontsize=7)
     right.set_xticks(range(len(POOLS)), [p.split(" (")[0] for p in POOLS])
-    right.set(ylabel="pass^1", ylim=(0, 1.08), title=f"40 fresh tasks, paired: step {K} - SFT under the held-out "
+    right.set(ylabel="pass^1", ylim=(0, 1.22), title=f"40 fresh tasks, paired: step {K} - SFT under the held-out "
               f"personas {'-' if held is None else format(held['diff'], '+.2f')} [" + (
                   "-, -]" if held is None else f"{held['ci'][0]:+.2f}, {held['ci'][1]:+.2f}]"))
     right.title.set_fontsize(9)
-    right.legend(fontsize=8, loc="upper right")
+    right.legend(fontsize=7, loc="upper center", ncol=len(finals))      # above the bars
     save_figure(fig, path, dpi=100)
     print(f"picture: {path}")
 
