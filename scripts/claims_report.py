@@ -47,8 +47,8 @@ def show(p):
                                   f"{p['only_b']} lost)")
 
 
-def num(v):
-    return "-" if v is None else f"{v:.3f}"
+def num(v, spec=".3f"):
+    return "-" if v is None else format(v, spec)
 
 
 def rl_minutes(out, arm):

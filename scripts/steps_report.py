@@ -64,12 +64,10 @@ def main(out, K, evaluation="eval"):
         if k == 0:
             print(f"  step 0: curve {curve}")
             continue
-        kl = "-" if m["kl"] is None else format(m["kl"], ".5f")
-        process = "-" if m.get("process_s") is None else f"{m['process_s']:.0f} s"
-        peak = "-" if m.get("peak_gib") is None else f"{m['peak_gib']:.1f} GiB"
         print(f"  step {k}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of {m['groups_drawn']}, "
-              f"kl {kl}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update {m['train_s']:.0f} s, "
-              f"step {m['s_per_step']:.0f} s; process {process}, peak {peak}; curve {curve}")
+              f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update "
+              f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; process {num(m.get('process_s'), '.0f')} s, "
+              f"peak {num(m.get('peak_gib'), '.1f')} GiB; curve {curve}")
     for pool, users in POOLS.items():
         print(f"\n{pool}, 40 tasks of seed {seed} (each task's episodes pooled):")
         print("| agent | " + " | ".join(METRICS.values()) + " | - SFT, pass^1 [95% CI] |\n|---|"

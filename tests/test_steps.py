@@ -1,9 +1,11 @@
 """scripts/steps.sh, the pre-registered K-step experiment (docs/steps_preregistration.md): its evaluation command runs
 in --smoke form on three adapters (the cold start, step 1, step K) of a tiny Qwen3 (the bundled model would take
 minutes to prefill the system prompts), and scripts/steps_report.py prints the bar from what it wrote, with the
-paired differences under the held-out personas pooled task by task."""
+paired differences under the held-out personas pooled task by task, and each agent's pass^1 by user and domain
+with how its episodes stopped."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,4 +38,7 @@ def test_the_preregistered_evaluation_runs_in_smoke_form_and_the_report_prints_t
     bar = run.stdout[run.stdout.index("the bar"):]
     assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
     assert "training personas: +0.000 [+0.000, +0.000]" in bar and "(not below 0): MET" in bar
+    table = run.stdout[run.stdout.index("by user and domain"):run.stdout.index("the bar")]
+    rows = [line.split(" | ")[1:] for line in table.splitlines() if line.startswith(("| SFT", "| RL"))]
+    assert len(rows) == 3 and all(re.match(r"[\d.]+ / [\d.]+ \(\w+ \d+", cell) for row in rows for cell in row)
     assert os.path.exists(out / "eval" / "steps.png")
