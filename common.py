@@ -503,18 +503,18 @@ def cut_shared_prefix(micro: list) -> list:
     return out
 
 
-def shared_prefix_logprobs(model, micro: list, js, temperature=1.0, chunk=4096):
-    """sequence_logprobs of the micro-batches micro[j], j in js, a key's prefix (cut_shared_prefix) through the model
+def shared_prefix_logprobs(model, micro: list, temperature=1.0, chunk=4096):
+    """sequence_logprobs of each micro-batch micro[j], a key's prefix (cut_shared_prefix) through the model
     once, not once per row. A generator of (j, logp (b, T - P)). With grad on (training), take each logp's backward
     before the next one comes: the rows run against detached copies of the prefix's keys/values, whose gradients
     add up, and after a key's last micro-batch one backward takes them through the prefix. Exact: the gradient of
     one full pass per row. Under no_grad it is a forward of every row, the prefix once.
 
-        for j, logp in shared_prefix_logprobs(model, micro, range(len(micro))):
+        for j, logp in shared_prefix_logprobs(model, micro):
             loss_of(logp, micro[j]).backward()
 
     Needs activation checkpointing off when P > 0 (transformers drops the cache inside checkpointed layers)."""
-    for _, run in itertools.groupby(js, key=lambda j: micro[j].key):
+    for _, run in itertools.groupby(range(len(micro)), key=lambda j: micro[j].key):
         run = list(run)
         prefix = micro[run[0]].prefix
         if prefix is not None and len(prefix) and model.training and \

@@ -227,22 +227,21 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
     order = list(range(len(trajs)))
     random.Random(seed).shuffle(order)
     size = math.ceil(len(order) / args.mini_batches)
+    ids, masks, domains = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.domain for t in trajs]
+    minis = [rollout.micro_batches(ids, masks, args.micro_batch, pad_id, domains, shortest_first=True,
+                                   device=model.device, rows=order[s:s + size])    # rows index trajs and adv
+             for s in range(0, len(order), size)]                                  # a mini-batch's micro-batches
     fast = args.logprob_pass == "fast"
-    minis = []                                    # each mini-batch's micro-batches; their rows index trajs and adv
-    for rows in [order[s:s + size] for s in range(0, len(order), size)]:
-        micro = rollout.micro_batches([trajs[i].token_ids for i in rows], [trajs[i].loss_mask for i in rows],
-                                      args.micro_batch, pad_id, [getattr(trajs[i], "domain", None) for i in rows],
-                                      shortest_first=True, device=model.device)
-        micro = common.cut_shared_prefix(micro) if fast and args.grad_checkpointing == "off" else micro
-        minis.append([b._replace(rows=[rows[r] for r in b.rows]) for b in micro])
+    if fast and args.grad_checkpointing == "off":      # each domain's system prompt once a pass
+        minis = [common.cut_shared_prefix(micro) for micro in minis]
     logprobs = common.shared_prefix_logprobs if fast else plain_logprobs
     bf16 = torch.autocast(model.device.type, torch.bfloat16, enabled=args.train_bf16 == "on")
     with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
-        logp_old = [[lp for _, lp in logprobs(model, mini, range(len(mini)), args.temperature)] for mini in minis]
+        logp_old = [[lp for _, lp in logprobs(model, mini, args.temperature)] for mini in minis]
     logp_ref = logp_old            # pi_ref, the frozen start (rollout.reference_policy): pi_old until RL's first step
     if not at_start:
         with torch.no_grad(), bf16, rollout.reference_policy(model):
-            logp_ref = [[lp for _, lp in logprobs(model, mini, range(len(mini)), args.temperature)] for mini in minis]
+            logp_ref = [[lp for _, lp in logprobs(model, mini, args.temperature)] for mini in minis]
     stats = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
     adv = adv.to(model.device)
     for mini, old, ref in zip(minis, logp_old, logp_ref):   # an AdamW step a mini-batch: pi moves from the second on
@@ -251,7 +250,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
         with bf16:
             # logprobs yields micro-batch i's logp with grad on; its backward must run before the next one comes (the
             # fast pass adds up the shared prefix's gradients across a domain's micro-batches, then passes them on)
-            for i, logp in logprobs(model, mini, range(len(mini)), args.temperature):
+            for i, logp in logprobs(model, mini, args.temperature):
                 loss, counts = grpo_loss(logp, old[i], ref[i], adv[mini[i].rows], mini[i].mask, args.clip,
                                          args.kl_coef, args.loss_agg, n_tokens, n_seqs)
                 loss.backward()
@@ -262,14 +261,14 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
     return stats
 
 
-def plain_logprobs(model, micro, which, temperature):
-    """For each micro-batch j in which: (j, logp (b, T) fp32), logp[r, t] = log pi(ids[r, t] | ids[r, :t]) where
+def plain_logprobs(model, micro, temperature):
+    """For each micro-batch j of micro: (j, logp (b, T) fp32), logp[r, t] = log pi(ids[r, t] | ids[r, :t]) where
     mask[r, t] == 1, else 0: one forward of the whole right-padded rows (positions 0, 1, 2, ..., as the sampler's),
     position t's logits scoring token t + 1, as simple_GRPO and TRL compute it. kernels.masked_logprobs takes the
     log-softmax of the sampled tokens only (Triton on GPU)."""
-    for j in which:
-        ids, mask = micro[j].ids, micro[j].mask
-        logits = model(input_ids=ids, attention_mask=micro[j].attn).logits        # (b, T, V)
+    for j, b in enumerate(micro):
+        ids, mask = b.ids, b.mask
+        logits = model(input_ids=ids, attention_mask=b.attn).logits               # (b, T, V)
         logp = torch.stack([masked_logprobs(row[:-1], nxt[1:], m[1:], temperature)   # (T - 1,) a row: no copy of
                             for row, nxt, m in zip(logits, ids, mask)])                # the logits
         yield j, F.pad(logp, (1, 0))              # token 0 has no context (mask 0): logp 0, aligned with the mask

@@ -286,9 +286,19 @@ def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
 
 # ----------------------------------------------------------------------------- trajectory
 
+# What each rollout counts in stats as it runs (start_conversations sets them to 0): tool calls run, those that
+# returned an error, malformed calls, turns cut at max_new_tokens, calls after the first in one turn (not run),
+# tokens sampled, user and tool tokens read, user messages asked again after the check flagged them.
+COUNTS = ("tool_calls", "tool_errors", "malformed_calls", "truncated_turns", "extra_calls_ignored", "sampled_tokens",
+          "user_tokens", "tool_tokens", "user_asked_again")
+
+
 @dataclass
 class Trajectory:
-    task_id: str; domain: str; scenario: str; tier: str   # noqa: E702
+    task_id: str
+    domain: str                 # the task's world: retail, airline, a benchmark's
+    scenario: str               # what the user wants done, e.g. cancel_order
+    tier: str                   # its difficulty: easy | medium | hard (a benchmark's tasks: its own word)
     group: int                  # index of the task in the batch (GRPO groups share it)
     trial: int                  # which of the task's group_size rollouts (its user's seed depends on it)
     token_ids: list[int]        # the whole conversation, system prompt included
@@ -298,7 +308,7 @@ class Trajectory:
     reward: float = 0.0
     turns: int = 0              # assistant turns
     stop_reason: str = ""       # user_stop | transfer | max_turns | context_limit | agent_stop | error
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)   # COUNTS, user_flags, user_wait_s, then the end's (run_episodes)
     diff: str = ""
     failed: str = ""            # "user" or "env": the simulator failed; "user_broke": the user broke the check (stats["error"])
 
@@ -324,12 +334,13 @@ class MicroBatch(NamedTuple):
 
 
 def micro_batches(token_ids, loss_masks, size: int, pad_id: int, keys=None, shortest_first=False, max_len=None,
-                  device=None) -> list[MicroBatch]:
+                  device=None, rows=None) -> list[MicroBatch]:
     """Sequences (each row's token ids and loss mask) -> micro-batches of `size` rows: a key's rows together (keys
     in first-seen order), rows as given or shortest first (less padding; a stable sort), each right-padded and cut at
-    max_len. The masks come from positions, never from pad ids: SmolLM2's pad == eos == <|im_end|>, which the policy
-    samples and is trained on."""
-    by_key, order = {}, range(len(token_ids))
+    max_len. rows: which sequences, in that order (rl.py's mini-batch, a random subset); None: all. A MicroBatch's
+    rows index the sequences given. The masks come from positions, never from pad ids: SmolLM2's pad == eos ==
+    <|im_end|>, which the policy samples and is trained on."""
+    by_key, order = {}, range(len(token_ids)) if rows is None else rows
     for i in sorted(order, key=lambda i: len(token_ids[i])) if shortest_first else order:
         by_key.setdefault(None if keys is None else keys[i], []).append(i)
     out = []
@@ -454,9 +465,7 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
         ids = fmt.prompt_ids(env.policy, opening, env.tools)    # messages[0] holds the tools as text; mask 0
         traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, ids, [0] * len(ids), [0.0] * len(ids),
                           [{"role": "system", "content": system}, {"role": "user", "content": opening}],
-                          stats=dict.fromkeys(("tool_calls tool_errors malformed_calls truncated_turns extra_calls_ignored "
-                                               "sampled_tokens user_tokens tool_tokens user_asked_again").split(), 0)
-                          | {"user_flags": {}, "user_wait_s": waited})
+                          stats=dict.fromkeys(COUNTS, 0) | {"user_flags": {}, "user_wait_s": waited})
         if bad or isinstance(first, Exception):    # no opening, no conversation: the simulator failed or broke
             traj.messages[1].update(checked(traj, first, bad))
         if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer

@@ -13,7 +13,7 @@ What it does
      tool tokens count for nothing), through common.sequence_logprobs as in rl.py. AdamW, linear
      warmup then cosine decay, gradient accumulation. A batch holds one domain, whose system prompt
      goes through the model once per batch with an exact gradient (common.shared_prefix_logprobs;
-     `python scripts/bench_sft.py` times it against the per-conversation pass). Checkpoints every
+     `python scripts/bench_update.py --sft` times it against the per-conversation pass). Checkpoints every
      --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
 Run
@@ -110,8 +110,8 @@ def parse_args(argv=None):
     g.add_argument("--share-prefix", default="on", choices=["on", "off"],
                    help="run each domain's system prompt once per step, not once per conversation (exact)")
     g.add_argument("--grad-checkpointing", default=None, choices=["on", "off"],
-                   help="recompute activations in backward: less memory, slower (scripts/bench_sft.py); turns "
-                        "--share-prefix off")
+                   help="recompute activations in backward: less memory, slower (scripts/bench_update.py --sft); "
+                        "turns --share-prefix off")
     g = p.group("run")
     g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps, and at the end")
     g.add_argument("--stop-after", type=int, default=None, help="exit after this step as if killed (resume tests)")
@@ -209,7 +209,7 @@ def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> floa
     if args.share_prefix == "on" and args.grad_checkpointing == "off":
         micro = common.cut_shared_prefix(micro)
     total = 0.0
-    for _, logp in common.shared_prefix_logprobs(model, micro, range(len(micro))):
+    for _, logp in common.shared_prefix_logprobs(model, micro):
         loss = -logp.sum() / max(1, n_tok)
         loss.backward()                       # before the next micro-batch: the prefix's gradient adds up
         total += loss.item()

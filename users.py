@@ -54,8 +54,14 @@ class User:
         """How USER_KINDS makes one: the task, the conversation's seed, what followed "KIND:", a kind's settings."""
         return cls(task, **kw)
 
-    def first_message(self) -> str: raise NotImplementedError               # noqa: E704
-    def reply(self, messages: list[dict]) -> str: raise NotImplementedError  # noqa: E301, E704
+    def first_message(self) -> str:
+        """The user's opening message."""
+        raise NotImplementedError
+
+    def reply(self, messages: list[dict]) -> str:
+        """The user's next message, given the conversation as the user sees it (the agent's view, system prompt
+        left out); ###STOP### in it ends the episode."""
+        raise NotImplementedError
 
 
 _ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"

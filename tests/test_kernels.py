@@ -325,7 +325,7 @@ def backward_with_prefix_once(model, prefix, micro_batches, n_tok) -> list[float
     backpropagated before the next."""
     micro = [MicroBatch([], ids, attn, mask, "one key", prefix) for ids, attn, mask in micro_batches]
     losses = []
-    for _, logp in shared_prefix_logprobs(model, micro, range(len(micro))):
+    for _, logp in shared_prefix_logprobs(model, micro):
         loss = -logp.sum() / n_tok
         loss.backward()
         losses.append(loss.item())

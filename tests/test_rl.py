@@ -174,7 +174,7 @@ def fake_trajs(n=4, seed=1):
     for i in range(n):
         T = 10 + 3 * i
         ids = torch.randint(3, 64, (T,), generator=g).tolist()
-        out.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * 5 + [1] * (T - 5)))
+        out.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * 5 + [1] * (T - 5), domain=None))
     return out
 
 
