@@ -16,19 +16,16 @@ mask density in {100%, 50%, 25%}, forward-only and forward + backward:
   %copy     GB/s as a share of a measured bf16 device-to-device copy (the achievable bandwidth)
   extra     peak memory allocated during the call beyond what existed before (the logits),
             in MB and as a multiple of the logits' size. Forward + backward includes the (N, V)
-            logits gradient autograd hands back (1.0x), except for Liger, which writes it into
-            the logits in place.
+            logits gradient autograd hands back (1.0x).
 Methods: ours (kernels.masked_logprobs, impl="triton"); naive log_softmax + gather in fp32 and in
 bf16; a per-sequence loop of log_softmax + gather (as TRL's selective_log_softmax does for bf16,
-sequences of --seq-len tokens); torch.compile of the fp32 naive version; Liger-Kernel's cross
-entropy with reduction="none" (its fused log-softmax) when liger_kernel is installed.
+sequences of --seq-len tokens); torch.compile of the fp32 naive version.
 Baselines compute every row and multiply by the mask; ours skips masked rows.
 """
 import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +34,7 @@ if not torch.cuda.is_available():  # must be set before kernels/ defines its @tr
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `python kernels/bench.py` finds kernels/
 
+from kernels import harness  # noqa: E402
 from kernels.logprobs import HAVE_TRITON, logprobs_torch, masked_logprobs, masked_logprobs_chunked  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -73,28 +71,11 @@ def make_per_sequence_loop(seq_len):
     return per_sequence_loop
 
 
-def make_liger():
-    try:
-        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-    except ImportError:
-        return None
-
-    def liger(x, t, m):  # per-row cross entropy = -log p; masked rows via ignore_index
-        loss = LigerCrossEntropyFunction.apply(x, t.masked_fill(~m, -100), None, -100, 0.0, 0.0, "none")[0]
-        return -loss.float()
-    return liger
-
-
 def methods(args, device):
     out = {"ours": ours, "naive fp32": naive_fp32, "naive bf16": naive_bf16,
            f"per-seq loop ({args.seq_len})": make_per_sequence_loop(args.seq_len)}
     if device == "cuda":
         out["compiled fp32"] = torch.compile(naive_fp32, dynamic=False)
-        liger = make_liger()
-        if liger is not None:
-            out["liger"] = liger
-        else:
-            print("liger_kernel not installed: no Liger row")
     return out
 
 
@@ -127,7 +108,7 @@ def correctness(args, device):
         ref = logprobs_torch(x64, t, m)
         ref.backward(g.double())
         for name, fn in impls.items():
-            xi = x.clone().requires_grad_()  # a fresh copy: Liger overwrites its input with the gradient
+            xi = x.clone().requires_grad_()  # a fresh leaf: each method's gradient its own
             out = fn(xi, t, m)
             out.backward(g)
             dv = (out.double() - ref).abs().max().item()
@@ -170,17 +151,13 @@ def measure(fn, x, t, m, backward, rep):
             out.backward(g)
 
     try:
-        torch.cuda.synchronize()
         x.grad = None
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        call()
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
+        with harness.PeakMemory() as mem:
+            call()
         x.grad = None
         ms = triton.testing.do_bench(call, rep=rep, grad_to_none=[x] if backward else None, return_mode="median")
-        return ms, extra
+        return ms, mem.peak - mem.base
     except torch.cuda.OutOfMemoryError:
         x.grad = None
         torch.cuda.empty_cache()
@@ -207,9 +184,7 @@ def gpu_table(args):
                     floor = (4 * n_valid * V + 2 * N * V) if backward else 2 * n_valid * V
                     logits_bytes = 2 * N * V
                     for name, fn in impls.items():
-                        xi = x.detach().clone().requires_grad_(backward) if name == "liger" else x
-                        ms, extra = measure(fn, xi, t, m, backward, args.rep)
-                        del xi
+                        ms, extra = measure(fn, x, t, m, backward, args.rep)
                         if ms is None:
                             print(f"| {V} | {N} | {density:.0%} | {name} | OOM | | | | |")
                             rows.append(dict(mode=mode, V=V, N=N, density=density, method=name, oom=True))
@@ -235,9 +210,8 @@ def main():
         torch.set_num_threads(min(2, os.cpu_count() or 1))
         print("No CUDA device: timing is SKIPPED (CPU or Triton-interpreter timings say nothing about the GPU "
               "kernel).\nRunning the correctness comparisons only; the Triton kernel runs under TRITON_INTERPRET=1.")
-        start = time.time()
-        correctness(args, "cpu")
-        print(f"\ncorrectness comparisons done in {time.time() - start:.1f} s. GPU numbers: not measured on this machine.")
+        seconds, _ = harness.timed(lambda: correctness(args, "cpu"))
+        print(f"\ncorrectness comparisons done in {seconds:.1f} s. GPU numbers: not measured on this machine.")
         result = dict(device="cpu", rows=[])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import common
 import envs
+from kernels import harness
 from rollout import DEFAULT_MODEL, load_adapter, load_model, run_episodes
 from sampler.attention import prefill_padded, shared_prefix_attention, weight_major_linear
 from sampler.fast import ModelAgent
@@ -119,11 +120,7 @@ def matmul_roofline(model, rows: int, reps: int = 5) -> float:
     with weight_major_linear():
         for (out, inp), count in shapes.items():
             w, x = torch.randn(out, inp, dtype=model.dtype), torch.randn(rows, 1, inp, dtype=model.dtype)
-            F.linear(x, w)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                F.linear(x, w)
-            total += count * (time.perf_counter() - t0) / reps
+            total += count * harness.timed(lambda: F.linear(x, w), warmup=1, repeat=reps)[0]
     return total
 
 
@@ -150,8 +147,8 @@ def bench(model, tok, args):
         del agents["unmerged"]
     run_episodes(agents["fast"](), tok, tasks[:1], **{**kw, "max_turns": 1})   # untimed warm-up
     print(f"bench: {args.domain} {args.tiers or 'all tiers'}, groups of {g}, <= {args.max_turns} turns x "
-          f"<= {args.max_new_tokens} new tokens, T {args.temperature}, {torch.get_num_threads()} threads, "
-          f"{model.device}\nroof: the tok/s if a decode step cost only its weight matmuls, measured in this run\n"
+          f"<= {args.max_new_tokens} new tokens, T {args.temperature}, {harness.machine()}\n"
+          "roof: the tok/s if a decode step cost only its weight matmuls, measured in this run\n"
           f"{'rows':>5} {'agent':>9} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'vs plain':>8} {'roof':>6} {'of roof':>7}")
     rates, profile, tokens = {}, None, {}
     for n in rows:
@@ -164,9 +161,7 @@ def bench(model, tok, args):
             torch.manual_seed(args.seed)
             with (prefill_padded() if name == "padded" else contextlib.nullcontext(),
                   Profile(agent) if name == "fast" and n == rows[-1] else contextlib.nullcontext() as prof):
-                t0 = time.perf_counter()
-                trajs = run_episodes(agent, tok, tasks[:n // g], g, **kw)
-                dt = time.perf_counter() - t0
+                dt, trajs = harness.timed(lambda: run_episodes(agent, tok, tasks[:n // g], g, **kw))
             tokens[name] = [t.token_ids for t in trajs]
             toks = sum(sum(t.loss_mask) for t in trajs)
             rates[n, name] = toks / dt

@@ -26,11 +26,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+from kernels import harness  # noqa: E402
 
 
 def child(stage: str, task_ids: list[str], real_rewards: bool, argv: list[str]):
     """In the subprocess: cut the train pools to task_ids, optionally give every group variance, run STAGE.main."""
-    sys.path.insert(0, ROOT)
     import rollout
     import envs
     make_tasks = envs.make_tasks
@@ -70,16 +72,13 @@ def run(stage, task_ids, args, argv):
     """-> (wall seconds, peak RSS GiB, return code) of `python scripts/bench_trl.py --child STAGE ...`."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", stage, "--task-ids", ",".join(task_ids)] + \
         (["--real-rewards"] if args.real_rewards else []) + ["--"] + argv
-    t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"))
-    _, status, usage = os.wait4(proc.pid, 0)        # this child's own rusage: ru_maxrss in KiB on Linux
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return time.time() - t0, usage.ru_maxrss / 2**20, proc.returncode
+    wall, (_, status, usage) = harness.timed(lambda: os.wait4(proc.pid, 0))   # its own rusage: ru_maxrss in KiB
+    return wall, usage.ru_maxrss / 2**20, os.waitstatus_to_exitcode(status)
 
 
 def task_ids(tasks: int) -> list[str]:
     """The first tasks/2 easy train tasks of retail and of airline."""
-    sys.path.insert(0, ROOT)
     import envs
     return [t.id for d in ("retail", "airline") for t in envs.make_tasks(d, "train", 1000, ["easy"])[:tasks // 2]]
 
@@ -113,7 +112,7 @@ def step_row(stage: str, out: str, args, wall: float, rss: float) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model of both sides (default: the bundled SmolLM2)")
     p.add_argument("--tasks", type=int, default=2, help="tasks in the step, half retail, half airline")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task")

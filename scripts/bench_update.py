@@ -1,37 +1,42 @@
-"""The GRPO update's cost, measured: python scripts/bench_update.py [--memory-check] [--init ADAPTER].
+"""A training update's cost, measured: python scripts/bench_update.py [--sft | --memory-check] [the stage's flags].
 
-  (default)        seconds of one rl.grpo_update of --init's adapter on a default-sized group, timed four
-                   ways after an untimed warm-up, each against the first in the same run: fp32 with the
-                   reference pass (the baseline), fp32 without it (the first step's case), both under bf16
-                   autocast. AdamW at lr 0, so every way times the same update.
+  (default)        one rl.grpo_update of --init's adapter on a default-sized group (rl.py's flags), timed four ways
+                   after one untimed warm-up: fp32 with the reference pass (the baseline), fp32 without it (the first
+                   step's case), both under bf16 autocast. AdamW at lr 0, so every way times the same update.
+  --sft            SFT's training pass (sft.backward_batch, sft.py's flags, e.g. --load-in-4bit) on one batch of 4
+                   retail conversations (the oracle's), timed three ways, each after a warm-up pass: the system prompt
+                   once per batch (sft.py's default), once per conversation (the baseline), and once per conversation
+                   with activation checkpointing; their losses are equal (the shared prefix is exact).
   --memory-check   one paper-scale GRPO step: Qwen3-8B's shapes with random NF4 weights, LoRA r16, 8
                    sequences of 8k tokens, activation checkpointing; the weights' size and the step's peak
                    GPU memory (target <= 20 GiB on a 24 GiB card). Without a GPU the same step runs at tiny
                    Qwen3 shapes on CPU: the code path, not the numbers.
+The first two print a line a way: its seconds and the speedup against the baseline measured in the same run; SFT's
+also its loss and peak memory (on a CPU the process's peak RSS so far, so its ways run lowest memory first).
 """
 import os
 import sys
-import time
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
 import rl  # noqa: E402
+import rollout  # noqa: E402
+import sft  # noqa: E402
+from envs import ours  # noqa: E402
+from kernels import harness  # noqa: E402
 from rl import group_advantages, grpo_update  # noqa: E402
 
 
 def bench_update(args, rows=4, prefix=1644, own=990):
-    """Seconds of one GRPO update (grpo_update, the preset's micro-batches) of --init's adapter, on random
-    tokens shaped like a default rollout group's: a shared system prompt of `prefix` tokens, then `own`
-    tokens a row, a third of them sampled. Timed four ways in this run, after one untimed warm-up: fp32
-    with the reference pass (the baseline), fp32 without it (the first step's case), and both under bf16
-    autocast; speedup = the baseline's seconds / these. AdamW at lr 0, so every way times the same update."""
+    """The four ways of one GRPO update (grpo_update, the preset's micro-batches), on random tokens shaped like a
+    default rollout group's: a shared system prompt of `prefix` tokens, then `own` tokens a row, a third sampled."""
     import tempfile
-    from types import SimpleNamespace
-    import rollout
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(100, 40000, (prefix,), generator=g).tolist()
-    trajs = [SimpleNamespace(token_ids=shared + torch.randint(100, 40000, (own,), generator=g).tolist(),
+    trajs = [SimpleNamespace(token_ids=shared + torch.randint(100, 40000, (own,), generator=g).tolist(), domain=None,
                              loss_mask=[0] * (prefix + 1) + (torch.rand(own - 1, generator=g) < 1 / 3).long().tolist())
              for _ in range(rows)]
     adv = torch.tensor([1.0, -1.0] * (rows // 2))
@@ -41,19 +46,50 @@ def bench_update(args, rows=4, prefix=1644, own=990):
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
     print(f"bench-update: {rows} rows of {prefix} shared + {own} own tokens, micro-batch {args.micro_batch}, "
-          f"{torch.get_num_threads()} threads, {rollout.DEVICE}; native bf16: "
-          f"{torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()}")
-    base = None
-    for name, bf16, skip in (("warm-up", "off", False), ("fp32, reference pass", "off", False),
-                             ("fp32, no reference pass", "off", True), ("bf16, reference pass", "on", False),
-                             ("bf16, no reference pass", "on", True)):
-        t0 = time.time()
+          f"{harness.machine()}")
+
+    def update(bf16: str, skip: bool):                     # skip: no reference pass, as on the first step
         grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(args), "train_bf16": bf16}), tok.pad_token_id,
                     seed=0, at_start=skip)
-        dt = time.time() - t0
-        if name != "warm-up":
-            base = base or dt
-            print(f"{name:>24}: {dt:6.1f} s  {base / dt:.2f}x", flush=True)
+    update("off", False)                                   # the untimed warm-up
+    base = None
+    for name, bf16, skip in (("fp32, reference pass", "off", False), ("fp32, no reference pass", "off", True),
+                             ("bf16, reference pass", "on", False), ("bf16, no reference pass", "on", True)):
+        seconds = harness.timed(lambda: update(bf16, skip))[0]
+        base = base or seconds                             # the first way is the baseline
+        print(f"{name:>24}: {seconds:6.1f} s  {base / seconds:.2f}x", flush=True)
+
+
+def bench_sft(args):
+    """One batch of 4 retail conversations (the oracle's), forward+backward three ways, lowest memory first."""
+    model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
+    trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, ours.make_tasks("retail", "train", 4))
+    rows = [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "scenario": f"retail/{t.scenario}"} for t in trajs]
+    model, n_tok = rollout.add_lora(model, r=16, alpha=32), sum(sum(r["loss_mask"]) for r in rows)
+    model.train()
+    print(f"bench-sft: {len(rows)} conversations, {sum(len(r['token_ids']) for r in rows)} tokens ({n_tok} trained), "
+          f"shared prefix {common.shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} "
+          f"tokens, {harness.machine()}")
+    measured = {}
+    for name, share, ckpt in (("prompt per conversation, activation checkpointing", "off", "on"),  # lowest memory first
+                              ("prompt once per batch", "on", "off"), ("prompt per conversation", "off", "off")):
+        if ckpt == "on":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        mode = SimpleNamespace(**{**vars(args), "share_prefix": share, "grad_checkpointing": ckpt})
+
+        def one_pass():
+            loss = sft.backward_batch(model, rows, mode, tokenizer.pad_token_id, n_tok)
+            model.zero_grad(set_to_none=True)
+            return loss
+        with harness.PeakMemory() as mem:
+            seconds, loss = harness.timed(one_pass, warmup=1)       # the warm-up pass warms up the allocator
+        measured[name] = loss, seconds, mem.peak
+    base = measured["prompt per conversation"][1]                    # the baseline, measured last
+    for name, (loss, seconds, peak) in measured.items():
+        print(f"{name:52s} loss {loss:.5f}  {seconds:6.1f} s  {base / seconds:.2f}x  peak {peak / 2**30:.1f} GiB"
+              + ("" if torch.cuda.is_available() else " (RSS so far)"))
 
 
 # ---------------------------------------------------------------- paper-scale memory check
@@ -75,7 +111,6 @@ def nf4_lora_model(config, device):
     bf16 weight freed as it goes: the build peaks at the bf16 model (16 GiB for Qwen3-8B)."""
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
-    import rollout
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)     # random weights, on the device
@@ -101,30 +136,27 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
     process's peak RSS). On CPU main() runs it at tiny Qwen3 shapes: the same code path, numbers that say
     nothing about 8B. model: nf4_lora_model(config, device) made already (scripts/gpu_check.py samples with it
     after)."""
-    import resource
-    from types import SimpleNamespace
     from sampler.attention import kv_bytes_per_token
     config = config or qwen3_shapes()
     model = nf4_lora_model(config, device) if model is None else model
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     cuda = device == "cuda"
-    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else \
-        sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
-    torch.cuda.reset_peak_memory_stats() if cuda else None
     g = torch.Generator().manual_seed(0)
     trajs = []
     for i in range(n_seq):     # system/user tokens then sampled tokens: loss on the second half
         ids = torch.randint(0, config.vocab_size, (seq_len,), generator=g).tolist()
-        trajs.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2)))
+        trajs.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2),
+                                     domain=None))
     adv = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)), n_seq)
     args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
                            grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    t0 = time.time()
-    st = grpo_update(model, opt, trajs, adv, args, pad_id=0, seed=0)
-    seconds = time.time() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    with harness.PeakMemory(cuda) as mem:     # on a GPU, what is allocated at entry is the weights
+        seconds, st = harness.timed(lambda: grpo_update(model, opt, trajs, adv, args, pad_id=0, seed=0))
+    weights_gib = mem.base / 2**30 if cuda else \
+        sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
+    peak = mem.peak / 2**30
     kv = kv_bytes_per_token(config, model.get_input_embeddings().weight.dtype)
     print(f"memory-check ({device}): {config.num_hidden_layers} layers x {config.hidden_size} NF4+LoRA, {n_seq}x{seq_len} "
           f"tokens, one GRPO step: weights {weights_gib:.2f} GiB, peak {peak:.2f} GiB "
@@ -142,8 +174,12 @@ def main():
             return memory_check()
         print("--memory-check: no GPU here, so the same step runs at tiny Qwen3 shapes on CPU (the code path, not the numbers)")
         return memory_check(qwen3_shapes(tiny=True), seq_len=256, n_seq=2, device="cpu")
+    if "--sft" in argv:
+        args = sft.parse_args([a for a in argv if a != "--sft"])
+        common.start_run(args)
+        return bench_sft(args)
     args = rl.parse_args(argv)
-    torch.set_num_threads(min(2, os.cpu_count() or 1)) if not torch.cuda.is_available() else None
+    common.start_run(args)
     return bench_update(args)
 
 

@@ -16,7 +16,6 @@ Runs (--runs, comma list):
 Run:  python scripts/bench_user_round.py                  # the four runs, about 2 minutes
       python scripts/bench_user_round.py --runs clean --tasks 4 --group-size 2 --latency 0.1   # a quick look
 """
-import argparse
 import functools
 import json
 import os
@@ -25,16 +24,18 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]          # tests/: the fault server
+import common                              # noqa: E402
 import envs                                # noqa: E402
 import rl                                  # noqa: E402
 import rollout                             # noqa: E402
 from fault_server import FaultServer       # noqa: E402
+from kernels import harness                # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.Parser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", default="clean,faults,restart,gone", help="which runs, comma list (see above)")
     p.add_argument("--tasks", type=int, default=32, help="tasks in the round, half retail, half airline (paper 32)")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per task (paper 8)")
@@ -58,10 +59,9 @@ def run(name, args, tasks, tok, out):
     waits, ask = [], rollout.ask_users
 
     def timed(calls, workers):                      # run_episodes' user rounds (openings included), each timed
-        t0 = time.time()
-        said = ask(calls, workers)
+        seconds, said = harness.timed(lambda: ask(calls, workers))
         if calls:
-            waits.append(time.time() - t0)
+            waits.append(seconds)
         return said
     rollout.ask_users = timed
     rl_args = SimpleNamespace(seed=args.seed, group_size=args.group_size, draw=len(tasks), max_draws=1,
@@ -97,7 +97,7 @@ def run(name, args, tasks, tok, out):
 
 def main(argv=None):
     args = parse_args(argv)
-    print(vars(args))
+    common.start_run(args)
     tok = rollout.load_tokenizer()
     half = args.tasks // 2
     tasks = envs.make_tasks("retail", "train", args.tasks - half) + envs.make_tasks("airline", "train", half)

@@ -127,11 +127,6 @@ def load_tokenizer(args):
     return qwen3_tokenizer()
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def check(part, name, ok, value):
     """A correctness check: recorded, printed, and a failure makes the run exit 1."""
     part["checks"].append(dict(name=name, ok=bool(ok), value=value))
@@ -376,14 +371,13 @@ def kernel_rows(part):
 
 def part_update(args, ctx, part):
     from bench_update import memory_check, nf4_lora_model, qwen3_shapes
+    from kernels import harness              # kernels/, here and below, only once main has set TRITON_INTERPRET
     cuda = not args.cpu
     config = qwen3_shapes(tiny=not cuda)
     seq_len, n_seq = (8192, args.update_seqs) if cuda else (256, 2)
     held = torch.cuda.memory_allocated() / GIB if cuda else 0.0
-    t0 = time.time()
-    model = nf4_lora_model(config, ctx.device)
-    sync()
-    part.update(build_s=time.time() - t0, held_before_gib=held)
+    build_s, model = harness.timed(lambda: nf4_lora_model(config, ctx.device))
+    part.update(build_s=build_s, held_before_gib=held)
     print(f"  built {config.num_hidden_layers} layers x {config.hidden_size} NF4 + LoRA r16 in {part['build_s']:.1f} s "
           f"(this process held {held:.2f} GiB before)", flush=True)
     r = memory_check(config, seq_len=seq_len, n_seq=n_seq, device=ctx.device, model=model)
@@ -466,33 +460,26 @@ def timed_round(agent, batch, cuda) -> dict:
     """One act() of agent on batch, timed with its graph captures and its decode loops (agent._sample, device work
     included): tokens sampled, seconds, decode seconds and steps, captures and their seconds, the peak above what was
     held before, the outputs."""
+    from kernels import harness
     decoder = agent.static
     before = (decoder.captures, decoder.capture_s) if decoder else (0, 0.0)
     clock, sample = dict(seconds=0.0, steps=0), agent._sample
 
     def timed(*a, **kw):
-        sync()
-        t0 = time.perf_counter()
-        outs, memo = sample(*a, **kw)
-        sync()
-        clock["seconds"] += time.perf_counter() - t0
+        seconds, (outs, memo) = harness.timed(lambda: sample(*a, **kw))
+        clock["seconds"] += seconds
         clock["steps"] += max(len(ids) for ids, _ in outs) - 1
         return outs, memo
     agent._sample = timed
-    sync()
-    held = torch.cuda.memory_allocated() if cuda else 0
-    torch.cuda.reset_peak_memory_stats() if cuda else None
-    t0 = time.perf_counter()
-    outs = agent.act(batch)
-    sync()
-    seconds = time.perf_counter() - t0
+    with harness.PeakMemory(cuda) as mem:
+        seconds, outs = harness.timed(lambda: agent.act(batch))
     agent._sample = sample
     decoder = agent.static
     captures, capture_s = (decoder.captures - before[0], decoder.capture_s - before[1]) if decoder else (0, 0.0)
     return dict(outs=outs, tokens=sum(len(ids) for ids, _ in outs), seconds=seconds, decode_s=clock["seconds"],
                 steps=clock["steps"], captures=captures, capture_s=capture_s, waves=len(agent.waves),
                 lengths=sorted({len(ids) for ids, _ in outs}),
-                peak_gib=(torch.cuda.max_memory_allocated() - held) / GIB if cuda else None)
+                peak_gib=(mem.peak - mem.base) / GIB if cuda else None)
 
 
 def part_decode(args, ctx, part):
@@ -576,12 +563,10 @@ def kernel_split(agent, batch, cuda) -> dict:
     syncs) and the count of device-to-host copies (host syncs). On CPU: CPU op time by the same kinds."""
     from collections import Counter
     from torch.profiler import ProfilerActivity, profile
+    from kernels import harness
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        agent.act(batch)
-        sync()
-        wall = (time.perf_counter() - t0) * 1e3
+        wall = harness.timed(lambda: agent.act(batch))[0] * 1e3
     split, syncs = Counter(), 0
     for e in prof.events():
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:       # a kernel or a copy on the GPU
@@ -661,6 +646,7 @@ def part_rlstep(args, ctx, part):
     from unittest import mock
     import rl
     import rollout
+    from kernels import harness
     import sampler
     from sampler.static import StaticDecoder
     cuda = not args.cpu
@@ -691,7 +677,7 @@ def part_rlstep(args, ctx, part):
         return trajs
 
     def peak(name):                                  # GiB allocated at the peak since the last reset
-        sync()
+        harness.sync()
         if cuda:
             peaks[name] = torch.cuda.max_memory_allocated() / GIB
             torch.cuda.reset_peak_memory_stats()
@@ -712,7 +698,7 @@ def part_rlstep(args, ctx, part):
         captures.append(time.perf_counter() - t0)
         return graph
     gc.collect()
-    sync()
+    harness.sync()
     torch.cuda.reset_peak_memory_stats() if cuda else None
     held = torch.cuda.memory_allocated() / GIB if cuda else None
     with mock.patch.object(rollout, "load_model", lambda *a, **kw: (model, ctx.tok)), \
