@@ -32,7 +32,6 @@ import rollout
 import sampler
 import envs
 import users
-from kernels import masked_logprobs
 
 # Every number a preset sets stands here only, but the CPU episode limits and tasks, which eval.py measures with too
 # (common.CPU_LIMITS, CPU_TIERS). CPU: 8 tasks x 6 rollouts (4 tasks a domain; their openings withhold the ids), two
@@ -242,7 +241,7 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
     if not at_start:
         with torch.no_grad(), bf16, rollout.reference_policy(model):
             logp_ref = [[lp for _, lp in logprobs(model, mini, args.temperature)] for mini in minis]
-    stats = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=0)
+    stats = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=len(minis))
     adv = adv.to(model.device)
     for mini, old, ref in zip(minis, logp_old, logp_ref):   # an AdamW step a mini-batch: pi moves from the second on
         n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
@@ -257,21 +256,19 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
                 stats = {k: v + counts.get(k, 0) for k, v in stats.items()}
         stats["grad_norm"] += float(clip_grad_norm_(optimizer.param_groups[0]["params"], args.max_grad_norm))
         optimizer.step()
-        stats["updates"] += 1
     return stats
 
 
 def plain_logprobs(model, micro, temperature):
-    """For each micro-batch j of micro: (j, logp (b, T) fp32), logp[r, t] = log pi(ids[r, t] | ids[r, :t]) where
-    mask[r, t] == 1, else 0: one forward of the whole right-padded rows (positions 0, 1, 2, ..., as the sampler's),
-    position t's logits scoring token t + 1, as simple_GRPO and TRL compute it. kernels.masked_logprobs takes the
-    log-softmax of the sampled tokens only (Triton on GPU)."""
+    """For each micro-batch j of micro: (j, logp (b, T) fp32), logp[r, t] = log pi(ids[r, t] | ids[r, :t]): one
+    forward of the whole right-padded rows (positions 0, 1, 2, ..., as the sampler's), the log-softmax of position
+    t's logits scoring token t + 1, as simple_GRPO and TRL compute it. Token 0 has no context: logp 0. Pads and
+    prompt tokens get a number too; grpo_loss masks them out."""
     for j, b in enumerate(micro):
-        ids, mask = b.ids, b.mask
-        logits = model(input_ids=ids, attention_mask=b.attn).logits               # (b, T, V)
-        logp = torch.stack([masked_logprobs(row[:-1], nxt[1:], m[1:], temperature)   # (T - 1,) a row: no copy of
-                            for row, nxt, m in zip(logits, ids, mask)])                # the logits
-        yield j, F.pad(logp, (1, 0))              # token 0 has no context (mask 0): logp 0, aligned with the mask
+        logits = model(input_ids=b.ids, attention_mask=b.attn).logits[:, :-1]    # (b, T - 1, V)
+        logp = torch.stack([torch.log_softmax(row.float() / temperature, -1).gather(1, nxt[:, None]).squeeze(1)
+                            for row, nxt in zip(logits, b.ids[:, 1:])])   # row by row: a no-grad pass holds one
+        yield j, F.pad(logp, (1, 0))                                      # row's fp32 (T - 1, V) at a time, not b
 
 
 def grpo_loss(logp, logp_old, logp_ref, adv, mask, clip, beta, agg, n_tokens=None, n_seqs=None):

@@ -99,7 +99,9 @@ def test_every_docs_page_is_linked_from_the_readme_once():
 
 
 def test_the_readme_reads_in_ten_minutes():
-    assert len(README.splitlines()) <= 160
+    """Ten minutes at about 230 words a minute (adults read non-fiction silently at ~238, Brysbaert 2019). Words,
+    not lines: a line cap is met by reflowing, a word count only by saying less."""
+    assert len(README.split()) <= 2300
 
 
 @pytest.mark.parametrize("promise", list(PROMISES))
