@@ -1,4 +1,4 @@
-"""The speed benchmarks' shared harness (kernels/bench.py, sampler/bench.py, scripts/bench_*.py, scripts/gpu_check.py):
+"""The speed benchmarks' shared harness (sampler/bench.py, scripts/bench_*.py, scripts/gpu_check.py):
 which machine the numbers came from, a timed call, and the peak memory of some work. A speed claim is a ratio against
 a baseline measured in the same run, never a timed test. The harness lives in kernels/, which imports nothing of ours
 and which everything may import, so each benchmark reaches it without a path hack or an import against the layers

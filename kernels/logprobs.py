@@ -28,7 +28,7 @@ the weight `chunk` rows at a time, and recomputes each chunk's logits in the bac
 (chunk, V) logits (plus their gradient) exist at once and the full (N, V) logits never do.
 common.sequence_logprobs runs a causal LM body and then this path; sft.py and rl.py use it. The
 training passes hand it only rows with mask 1, so in training the kernel's mask is all ones; the mask
-is there for callers with logits of every position (kernels/bench.py, the tests).
+is there for callers with logits of every position (scripts/gpu_check.py's kernel part, the tests).
 
 Special values (tested):
   - a row whose logits are all -inf except the target: out = 0, gradient 0.

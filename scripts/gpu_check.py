@@ -15,8 +15,9 @@ short keeps what finished; --parts reruns some. At the end, one table of them al
            every round graphed and no graph captured after the first
   kernel   kernels/logprobs.py's Triton masked log-probs at Qwen3's vocabulary (151,936) and 4k and 16k bf16
            rows, forward and forward + backward: max error against fp64 (half the rows masked), and ms against
-           the torch reference (eager), torch.compile of it and TRL's selective_log_softmax (kernels/bench.py's
-           timing, every row valid); GB/s as a share of a device-to-device copy measured in the same run
+           the torch reference (eager), torch.compile of it and TRL's selective_log_softmax (triton's do_bench,
+           every row valid); GB/s as a share of a device-to-device copy measured in the same run. The kernel's
+           benchmark: its timing runs only here, on a GPU (CPU or interpreter timings say nothing of it)
   update   one GRPO update (rl.grpo_update) of Qwen3-8B's shapes, random NF4 weights + LoRA r16, on 8
            sequences of 8k tokens with activation checkpointing: peak GiB (target <= 20) and seconds
            (scripts/bench_update.py's memory check)
@@ -267,6 +268,49 @@ def exact_rows(part):
 
 # ----------------------------------------------------------------------------- kernel
 
+def kernel_inputs(N, V, density, device, seed):
+    """bf16 logits (N, V) made on the device (no 20 GB host tensor), targets (N,), mask (N,): a density share of
+    the rows valid."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(N, V, generator=gen, device=device, dtype=torch.bfloat16).mul_(2)
+    t = torch.randint(0, V, (N,), generator=gen, device=device)
+    return x, t, torch.rand(N, generator=gen, device=device) < density
+
+
+def copy_gbs() -> float:
+    """A bf16 device-to-device copy's GB/s (read + write): the bandwidth a memory-bound kernel can reach."""
+    import triton.testing
+    x = torch.empty(2 ** 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
+
+
+def kernel_ms(fn, x, t, m, backward, rep):
+    """fn's median ms (triton.testing.do_bench), forward or forward + backward, and the peak bytes it allocates
+    beyond what existed before. -> (None, None) on out-of-memory."""
+    import triton.testing
+    from kernels import harness
+    g = torch.randn(x.shape[0], device="cuda")
+
+    def call():
+        out = fn(x, t, m)
+        if backward:
+            out.backward(g)
+
+    try:
+        x.grad = None
+        torch.cuda.empty_cache()
+        with harness.PeakMemory() as mem:
+            call()
+        x.grad = None
+        ms = triton.testing.do_bench(call, rep=rep, grad_to_none=[x] if backward else None, return_mode="median")
+        return ms, mem.peak - mem.base
+    except torch.cuda.OutOfMemoryError:
+        x.grad = None
+        torch.cuda.empty_cache()
+        return None, None
+
+
 def kernel_errors(fn, x, t, m, g, chunk=1024):
     """Run fn forward and backward on x (N, V) and compare with logprobs_torch in fp64, chunk rows at a time
     (the fp64 logits of 16k rows would be 20 GB). -> max |diff| and the worst diff / bound, values and grads,
@@ -292,7 +336,6 @@ def kernel_errors(fn, x, t, m, g, chunk=1024):
 
 
 def part_kernel(args, ctx, part):
-    from kernels import bench
     from kernels.logprobs import logprobs_torch, masked_logprobs
     cuda, dev = not args.cpu, ctx.device
     V, Ns = (151936, (4096, 16384)) if cuda else (4099, (16, 64))
@@ -303,14 +346,14 @@ def part_kernel(args, ctx, part):
     except Exception as e:
         part["trl_import"] = f"{type(e).__name__}: {e}"
         print(f"  no TRL row: trl.trainer.utils does not import ({part['trl_import'][:300]})", flush=True)
-    if cuda:              # static shapes, as kernels/bench.py; on a CPU Inductor would compile C++ for minutes
+    if cuda:              # static shapes; on a CPU Inductor would compile C++ for minutes
         methods["compile"] = torch.compile(logprobs_torch, dynamic=False)
-    copy = bench.copy_bandwidth_gbs() if cuda else None
+    copy = copy_gbs() if cuda else None
     part.update(V=V, copy_gbs=copy, rows=[], errors={})
     print(f"V {V}, bf16 logits; methods: {', '.join(methods)}"
           + (f"; device copy {copy:.0f} GB/s (read + write)" if cuda else "; timing: GPU only"), flush=True)
     for N in Ns:
-        x, t, m = bench.make_inputs(N, V, 0.5, torch.bfloat16, dev, seed=N)   # half the rows masked
+        x, t, m = kernel_inputs(N, V, 0.5, dev, seed=N)   # half the rows masked
         x.requires_grad_()
         g = torch.randn(N, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
         for name, fn in methods.items():
@@ -333,13 +376,15 @@ def part_kernel(args, ctx, part):
         ctx.free()
         if not cuda:
             continue
-        x, t, m = bench.make_inputs(N, V, 1.0, torch.bfloat16, dev, seed=N)
+        x, t, m = kernel_inputs(N, V, 1.0, dev, seed=N)
         for backward in (False, True):
             x.requires_grad_(backward)
-            floor = (4 * N * V + 2 * N * V) if backward else 2 * N * V     # bench.py's traffic floor, every row valid
+            # the traffic floor, every row valid: read the logits once (forward); read them twice and write their
+            # gradient (forward + backward)
+            floor = (4 * N * V + 2 * N * V) if backward else 2 * N * V
             for name, fn in methods.items():
                 try:
-                    ms, extra = bench.measure(fn, x, t, m, backward, args.rep)   # (None, None): out of memory
+                    ms, extra = kernel_ms(fn, x, t, m, backward, args.rep)   # (None, None): out of memory
                     line = f"{ms:8.3f} ms {floor / ms / 1e6:6.0f} GB/s {floor / ms / 1e6 / copy:4.0%} of copy, " \
                            f"{extra / 2**20:6.0f} MB extra" if ms else "OOM"
                 except Exception as exc:
