@@ -16,7 +16,7 @@ TOP = {   # every visible top-level entry, and what it holds
     "common.py": "what the stages share: flags, presets, checkpoints, training passes",
     "sampler": "the policy as a sampler: plain.py to read, fast.py the same tokens faster",
     "envs": "the worlds: the table, ours (procedural), the benchmark adapters",
-    "kernels": "kernels, their benchmark, the benchmarks' harness",
+    "kernels": "the log-prob kernel and the benchmarks' harness",
     "scripts": "scale-out, viewer, stage benchmarks, the GPU check",
     "docs": "results and reference pages", "tests": "pytest",
 }
