@@ -37,6 +37,8 @@ import torch.nn.functional as F
 # system prompt included (retail's 1,759 tokens, airline's 1,581; + a turn's 80, x 1.2 = 3,584).
 CPU_TIERS = "change_order_payment,cancel_trip"
 CPU_LIMITS = dict(max_turns=14, max_new_tokens=80, max_context=3584)
+# The GPU presets' episode limits (rl.py, eval.py): the paper-sized run's 30 agent turns of <= 256 tokens in 8k.
+GPU_LIMITS = dict(max_turns=30, max_new_tokens=256, max_context=8192)
 EVAL_TASKS = 24          # eval.py's held-out tasks a domain; rl.py's curve takes the ones after them
 TIERS = ("easy", "medium", "hard")
 
@@ -161,8 +163,8 @@ def add_user_args(p: Parser, default="scripted", several=False):
     g.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this share of a draw's "
                    "(rl.py) or an evaluation's rollouts were left out: their user simulator failed or broke the check, "
                    "or their env failed (they are never trained on nor scored)")
-    g.add_argument("--user-workers", type=int, default=256, help="LLM users asked at once (each round's replies; 256 "
-                   "= a paper-sized round all in flight; 1 for a server that answers one at a time)")
+    g.add_argument("--user-workers", type=int, default=users.USER_WORKERS, help="LLM users asked at once (each "
+                   "round's replies; 256 = a paper-sized round all in flight; 1 for a server that answers one at a time)")
     g.add_argument("--user-timeout", type=float, default=60.0, help="seconds an LLM user's request may take before "
                    "the client sends it again (a slow local server needs more)")
 

@@ -77,7 +77,7 @@ import envs
 # under the held-out ones; the episode limits rl.py's CPU preset trains with (common.CPU_LIMITS).
 PRESETS = {
     "gpu": dict(n_tasks=common.EVAL_TASKS, trials=4, tiers="easy,medium,hard", user="scripted:train,scripted:heldout",
-                max_turns=30, max_new_tokens=256, max_context=8192, recheck=16),
+                **common.GPU_LIMITS, recheck=16),
     "cpu": dict(n_tasks=common.EVAL_TASKS, trials=1, tiers=common.CPU_TIERS, user="scripted:train,scripted:heldout",
                 **common.CPU_LIMITS, recheck=0),
     "smoke": dict(n_tasks=1, trials=2, tiers="easy,medium,hard", max_turns=1, max_new_tokens=8, max_context=2048,
@@ -223,9 +223,9 @@ def build_agent(spec: str, args):
 
 # ----------------------------------------------------------------------------- pass^k evaluation
 
-def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("scripted"), seed: int = 0,
-             max_turns: int = 8, max_context: int = 3072, recheck: int = 0, n_boot: int = 1000, progress: bool = True,
-             user_workers: int = 256, price=(0.0, 0.0), max_sim_failures: float = 1.0) -> dict:
+def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("scripted"), seed: int = 0, *,
+             max_turns: int, max_context: int, recheck: int = 0, n_boot: int = 1000, progress: bool = True,
+             user_workers: int = users.USER_WORKERS, price=(0.0, 0.0), max_sim_failures: float = 1.0) -> dict:
     """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each, with the
     user each conversation gets from `user` (an envs.UserFactory). A task with a trial whose
     user simulator failed or broke the check (or whose env failed) leaves pass^k; more than max_sim_failures of the
@@ -620,9 +620,10 @@ def main(argv=None):
             make_user = common.user_factory(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local:
                                                     if user == "local" else ()), spec=user)   # the base model plays it
             print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {user}")
-            tau = evaluate(agent, tok, tasks, args.trials, make_user, args.seed, args.max_turns, args.max_context,
-                           recheck=args.recheck, n_boot=args.n_boot, user_workers=args.user_workers,
-                           price=args.user_price, max_sim_failures=args.max_sim_failures)
+            tau = evaluate(agent, tok, tasks, args.trials, make_user, args.seed, max_turns=args.max_turns,
+                           max_context=args.max_context, recheck=args.recheck, n_boot=args.n_boot,
+                           user_workers=args.user_workers, price=args.user_price,
+                           max_sim_failures=args.max_sim_failures)
             results[label] = {"tau": tau, "user": user}
             with open(out_file(args, "failures_", label, ".jsonl"), "w") as f:
                 for rec in tau["failures"]:

@@ -38,8 +38,8 @@ import users
 # mini-batches so the clip can act, a curve on 4 held-out tasks a domain. T = 0.7: at 1.0 most of the 135M policy's
 # failures are sampling noise. lr 1e-4: at 2e-4 one Adam step collapsed the policy (docs/results.md).
 PRESETS = {
-    "gpu": dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, max_turns=30, max_new_tokens=256,
-                max_context=8192, micro_batch=1, mini_batches=1, lr=2e-5, temperature=1.0, domains="retail,airline",
+    "gpu": dict(steps=100, tasks=32, draw=32, max_draws=3, group_size=8, **common.GPU_LIMITS, micro_batch=1,
+                mini_batches=1, lr=2e-5, temperature=1.0, domains="retail,airline",
                 tiers="easy,medium,hard", user="scripted:train", ckpt_every=10, eval_every=10, eval_tasks=24,
                 grad_checkpointing="on"),
     "cpu": dict(steps=1, tasks=8, draw=8, max_draws=1, group_size=6, **common.CPU_LIMITS, micro_batch=2,

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 import envs
-from users import STOP, UserSimulatorError, ask_users, check_turn, visible_text, without_think
+from users import STOP, USER_WORKERS, UserSimulatorError, ask_users, check_turn, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 decoding is slower (see ModelAgent)
@@ -588,9 +588,9 @@ def checked_user_turn(traj, said, fmt, flagged: list):
     traj.messages[-1].update(checked(traj, said, flagged))
 
 
-def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFactory("scripted"), max_turns: int = 30,
-                 max_context: int = 8192, seed: int = 0, shaped: bool = False, progress: bool = True,
-                 user_workers: int = 256, first_trial: int = 0) -> list[Trajectory]:
+def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFactory("scripted"), *, max_turns: int,
+                 max_context: int, seed: int = 0, shaped: bool = False, progress: bool = True,
+                 user_workers: int = USER_WORKERS, first_trial: int = 0) -> list[Trajectory]:
     """len(tasks) * group_size rollouts, task-major: trials first_trial .. first_trial + group_size - 1 of each
     task (rl.py --screen samples a group's first trials, then the rest of some). Each round every conversation
     waiting on the agent is advanced by one agent.act() call; then each runs its tool call or gets its user's

@@ -636,6 +636,10 @@ def check_turn(task, env, messages: list[dict], said: str) -> str:
     return "wrong_fact" if any(not any(v in h or typo(v, h) for h in held) for v in stated_values(text)) else ""
 
 
+# LLM users asked at once by default: a paper-sized round (32 tasks x 8) all in flight (--user-workers)
+USER_WORKERS = 256
+
+
 def ask_users(calls: list, workers: int) -> list:
     """Call each of calls (a user writing its next message), all at once up to `workers` when workers > 1: an
     LLM user waits on the network, and a round at paper scale asks 256 of them, so the round should wait on its

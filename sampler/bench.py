@@ -214,8 +214,9 @@ def main(argv=None):
                        args.thinking, sample_weights=args.sample_weights) if args.sampler == "fast" else \
         PlainAgent(model, tok, args.temperature, args.max_new_tokens, args.thinking)
     t0 = time.time()
-    trajs = run_episodes(agent, tok, tasks, args.group_size, common.user_factory(args, model, tok), args.max_turns,
-                         args.max_context, seed=args.seed, user_workers=args.user_workers)
+    trajs = run_episodes(agent, tok, tasks, args.group_size, common.user_factory(args, model, tok),
+                         max_turns=args.max_turns, max_context=args.max_context, seed=args.seed,
+                         user_workers=args.user_workers)
     for t in trajs:
         print(t.show() + "\n")
     reasons = dict(Counter(t.stop_reason for t in trajs))

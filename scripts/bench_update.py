@@ -63,7 +63,8 @@ def bench_update(args, rows=4, prefix=1644, own=990):
 def bench_sft(args):
     """One batch of 4 retail conversations (the oracle's), forward+backward three ways, lowest memory first."""
     model, tokenizer = rollout.load_model(args.model, load_in_4bit=args.load_in_4bit)
-    trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, ours.make_tasks("retail", "train", 4))
+    trajs = rollout.run_episodes(rollout.OracleAgent(tokenizer), tokenizer, ours.make_tasks("retail", "train", 4),
+                                 max_turns=30, max_context=8192)
     rows = [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "scenario": f"retail/{t.scenario}"} for t in trajs]
     model, n_tok = rollout.add_lora(model, r=16, alpha=32), sum(sum(r["loss_mask"]) for r in rows)
     model.train()

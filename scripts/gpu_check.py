@@ -221,7 +221,7 @@ def part_exact(args, ctx, part):
     eot = ChatFormat(tok).end_of_turn_id
     tasks = [t for d in ours.DOMAINS for t in ours.make_tasks(d, "train", 2)]
     episodes = lambda agent, seed=1: run_episodes(agent, tok, tasks, group_size=2, max_turns=2,   # noqa: E731
-                                                  progress=False, seed=seed)
+                                                  progress=False, seed=seed, max_context=8192)
     part["archs"] = {}
     for arch in ("llama", "qwen3"):
         model = tiny_policy(arch, len(tok), eot, ctx.device)

@@ -106,7 +106,7 @@ def tasks():
 
 def test_oracle_agent_passes_every_held_out_task(tasks, tok):
     from rollout import OracleAgent
-    r = ev.evaluate(OracleAgent(tok), tok, tasks, trials=2, progress=False, n_boot=50)
+    r = ev.evaluate(OracleAgent(tok), tok, tasks, trials=2, progress=False, n_boot=50, max_turns=8, max_context=3072)
     assert r["overall"]["pass^k"] == {1: 1.0, 2: 1.0} and r["overall"]["n_tasks"] == 4
     assert set(r["per_domain"]) == {"retail", "airline"} and r["failures"] == [] and r["rechecked"] == 0
     assert sum(s["n_tasks"] for s in r["per_scenario"].values()) == 4
@@ -174,7 +174,8 @@ def test_behaviour_metrics_tell_apart_agents_that_each_miss_something(tasks, tok
     nothing (asked before writing does not apply) and asks nothing. Paired: the oracle's gain over WriteAndWait is
     all pass^1, finishing and asking, none of it the end state."""
     from rollout import OracleAgent
-    run = lambda agent: ev.evaluate(agent, tok, tasks, trials=1, max_turns=8, progress=False, n_boot=20)   # noqa: E731
+    run = lambda agent: ev.evaluate(agent, tok, tasks, trials=1, max_turns=8, progress=False, n_boot=20,
+                                    max_context=3072)   # noqa: E731
     got = {name: run(agent) for name, agent in [("oracle", OracleAgent(tok)), ("writer", WriteAndWaitAgent(tok)),
                                                 ("silent", SilentAgent(tok))]}
     mean = lambda name, group="all": {m: v["mean"] for m, v in got[name]["behaviour"][group].items()}   # noqa: E731
@@ -220,7 +221,7 @@ def test_grid_of_agents_and_users_is_the_two_by_two(tasks, tok):
     for name, agent in [("oracle", OracleAgent(tok)), ("writer", WriteAndWaitAgent(tok))]:
         for user in ("scripted", "none"):
             results[f"{name} @ {user}"] = {"tau": ev.evaluate(agent, tok, tasks, trials=1, user=envs.UserFactory(user), max_turns=8,
-                                                              progress=False, n_boot=20)}
+                                                              progress=False, n_boot=20, max_context=3072)}
     pairs = {m: ev.pair_up(results, {t.id: t.domain for t in tasks}, metric=m)[0] for m in ("pass1", "asked_first")}
     assert list(pairs["pass1"]) == ["writer - oracle @ scripted", "writer - oracle @ none"]
     assert [d["diff"] for d in pairs["pass1"].values()] == [-1.0, 0.0]
@@ -248,7 +249,8 @@ class FlakyAgent(rollout.TextAgent):
 
 
 def test_failures_keep_db_diffs_and_rescued_ones_are_flagged(tasks, tok):
-    r = ev.evaluate(FlakyAgent(tok, 2), tok, tasks, trials=2, max_turns=12, recheck=3, progress=False, n_boot=50)
+    r = ev.evaluate(FlakyAgent(tok, 2), tok, tasks, trials=2, max_turns=12, recheck=3, progress=False, n_boot=50,
+                    max_context=3072)
     assert r["overall"]["pass^k"] == {1: 0.0, 2: 0.0}
     assert len(r["failures"]) == 8 and r["rechecked"] == 3 and r["user_sim_suspects"] == 3
     from envs import ours
@@ -395,7 +397,7 @@ def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         agent = rollout.OpenAIAgent(tok, "fake-model", base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="k")
-        r = ev.evaluate(agent, tok, tasks[:1], trials=1, max_turns=2, progress=False, n_boot=10)
+        r = ev.evaluate(agent, tok, tasks[:1], trials=1, max_turns=2, progress=False, n_boot=10, max_context=3072)
     finally:
         server.shutdown()
     assert len(seen) == 2 and seen[0]["model"] == "fake-model"
@@ -422,7 +424,7 @@ def test_a_task_whose_user_simulator_failed_leaves_pass_k_and_is_counted(tasks, 
         return "401" if n["requests"] == 2 else {"content": "Thanks. ###STOP###"}
     with FakeServer(answer) as srv:
         r = ev.evaluate(Reporter(tok), tok, tasks, trials=1, user=envs.UserFactory("openai:m", {"base_url": srv.url}),
-                        progress=False, n_boot=20, user_workers=1)
+                        progress=False, n_boot=20, user_workers=1, max_turns=8, max_context=3072)
     assert r["sim_failures"] == 1 and r["tasks_lost"] == 1
     assert r["overall"]["n_tasks"] == len(tasks) - 1 and len(r["rewards"]) == len(tasks) - 1
     assert tasks[1].id not in r["rewards"]          # the second opening asked is the one that failed

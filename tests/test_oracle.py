@@ -21,7 +21,8 @@ def test_oracle_solves_tasks_of_every_scenario(user):
     agent = rollout.OracleAgent(tok)
     for domain in ours.DOMAINS:
         tasks = ours.make_tasks(domain, "train", 3 * len(ours.SCENARIOS[domain]), seed=5)   # 3 per scenario
-        trajs = rollout.run_episodes(agent, tok, tasks, user=envs.UserFactory(user), seed=0, progress=False)
+        trajs = rollout.run_episodes(agent, tok, tasks, user=envs.UserFactory(user), seed=0, progress=False,
+                                     max_turns=30, max_context=8192)
         bad = [(t.task_id, t.scenario, t.stop_reason, t.diff[:200]) for t in trajs if t.reward != 1.0]
         print(domain, f"{len(trajs) - len(bad)}/{len(trajs)} solved")
         assert not bad, bad
@@ -53,7 +54,8 @@ def test_with_no_user_the_oracle_asks_nothing_confirms_nothing_and_its_report_en
     tok = rollout.load_tokenizer()
     for domain in ours.DOMAINS:
         tasks = ours.make_tasks(domain, "train", 2 * len(ours.SCENARIOS[domain]), seed=3)
-        for task, t in zip(tasks, rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory("none"), progress=False)):
+        for task, t in zip(tasks, rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory("none"), progress=False,
+                                                       max_turns=30, max_context=8192)):
             said = [m for m in t.messages if m["role"] == "assistant"]
             assert (t.reward, t.stop_reason, t.turns) == (1.0, "agent_stop", len(task.gold_actions) + 1), task.scenario
             assert [c["tool_calls"][0] for c in said[:-1]] == [{"name": a.name, "arguments": a.arguments}

@@ -52,7 +52,7 @@ def test_each_persona_is_deterministic_given_its_seed_and_varies_with_it(name):
     tok = rollout.load_tokenizer()
     tasks = ours.make_tasks("airline", "test", 4, ["medium"]) + ours.make_tasks("retail", "test", 4, ["medium"])
     runs = [rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory(f"scripted:{name}"), seed=s,
-                                 progress=False) for s in (1, 1, 2)]
+                                 progress=False, max_turns=30, max_context=8192) for s in (1, 1, 2)]
     said = [[[m["content"] for m in t.messages if m["role"] == "user"] for t in run] for run in runs]
     assert said[0] == said[1]                                   # same seed: the same words
     assert said[0] != said[2]                                   # another seed: other phrasing somewhere
@@ -181,7 +181,8 @@ def test_a_user_and_a_persona_added_the_readme_way_work_everywhere(monkeypatch):
     tasks = ours.make_tasks("retail", "test", 2, ["medium"])
     for spec, cls in (("scripted:toy", ToyPersona), ("toy", ToyUser)):
         assert type(users.make_user(spec, tasks[0], seed=0)) is cls
-        trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory(spec), progress=False)
+        trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory(spec), progress=False,
+                                     max_turns=30, max_context=8192)
         assert [t.reward for t in trajs] == [1.0, 1.0], [t.diff for t in trajs]
         said = [m["content"] for t in trajs for m in t.messages if m["role"] == "user"]
         assert any("YES, GO AHEAD." in s for s in said) if cls is ToyPersona else said[0].startswith(tasks[0].opening)
@@ -230,7 +231,7 @@ def test_gold_episode_is_run_episodes_on_messages():
     tasks = ours.make_tasks("retail", "test", 2, ["medium"]) + ours.make_tasks("airline", "test", 2, ["medium"])
     for name in users.PERSONAS:
         trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory(f"scripted:{name}"), seed=3,
-                                     max_turns=CAP, progress=False)
+                                     max_turns=CAP, progress=False, max_context=8192)
         for task, t in zip(tasks, trajs):
             seed = zlib.crc32(f"3|{task.id}|0".encode())              # run_episodes' user seed, trial 0
             assert gold_episode(task, f"scripted:{name}", seed)[:3] == (t.reward, t.turns, t.stop_reason), (name, task.id)
@@ -292,8 +293,8 @@ def test_a_list_of_users_runs_each_tasks_episode_with_its_own_user_as_alone():
     tasks = ours.make_tasks("retail", "test", 2, ["medium"]) + ours.make_tasks("airline", "test", 2, ["medium"])
     specs = ["scripted:chatty", "scripted:curious"]
     together = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks * 2, user=[envs.UserFactory(u) for u in specs for _ in tasks],
-                                    seed=5, progress=False)
+                                    seed=5, progress=False, max_turns=30, max_context=8192)
     alone = [t for u in specs for t in rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory(u), seed=5,
-                                                            progress=False)]
+                                                            progress=False, max_turns=30, max_context=8192)]
     assert [t.messages for t in together] == [t.messages for t in alone]
     assert together[0].messages != together[len(tasks)].messages          # the two users differ on the same task

@@ -70,7 +70,7 @@ def test_history_is_never_rerendered_although_the_template_rewrites_earlier_turn
     task = cancel_task()
     find = {"name": "find_user_id_by_email", "arguments": {"email": task.hidden_facts["email"]}}
     script = ["Sure. What is your email?", f"<tool_call>\n{json.dumps(find)}\n</tool_call>", "Which order id is it?"]
-    t = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=3, progress=False)[0]
+    t = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=3, progress=False, max_context=8192)[0]
     env = ours.Env(task)
     assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "user", "assistant", "tool", "assistant", "user"]
     expected = tok.decode(ChatFormat(tok).prompt_ids(env.policy, t.messages[1]["content"], env.tools))
@@ -98,7 +98,7 @@ def test_sampled_logprobs_equal_training_logprobs_in_4bit(qwen3_dir, tok):
     tasks = [t for t in ours.make_tasks("retail", "train", 14)][:2]
     torch.manual_seed(0)
     trajs = run_episodes(ModelAgent(model, tok, temperature=1.0, max_new_tokens=5), tok, tasks, group_size=2,
-                         max_turns=3, progress=False)
+                         max_turns=3, progress=False, max_context=8192)
     for t in trajs:
         ids = torch.tensor([t.token_ids])
         with torch.no_grad():
@@ -116,7 +116,7 @@ def test_thinking_mode_trains_on_the_reasoning_and_users_never_see_it(tok):
     script = [reasoning + "Could you give me your email?", "<think>\nok\n</think>\n\nThanks."]
     agent = ScriptAgent(tok, script)
     agent.fmt = ChatFormat(tok, thinking=True)                  # what ModelAgent(..., thinking=True) holds
-    t = run_episodes(agent, tok, [task], max_turns=2, progress=False)[0]
+    t = run_episodes(agent, tok, [task], max_turns=2, progress=False, max_context=8192)[0]
     text = tok.decode(t.token_ids)
     assert EMPTY_THINK not in text and text.count("<|im_start|>assistant\n<think>\n") == 2
     assert tok.decode([i for i, m in zip(t.token_ids, t.loss_mask) if m]) == "<|im_end|>".join(script) + "<|im_end|>"

@@ -286,7 +286,8 @@ def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
                            [len(m[0]) for m in agent.memo]))
             return out
         agent.act = recorded
-        runs[name] = run_episodes(agent, tok, tasks, group_size=2, max_turns=4, progress=False, seed=3), rounds
+        runs[name] = run_episodes(agent, tok, tasks, group_size=2, max_turns=4, progress=False, seed=3,
+                                  max_context=8192), rounds
     (one, one_rounds), (waves, wave_rounds) = runs["one batch"], runs["waves"]
     print("waves per round:", [w for w, *_ in wave_rounds])
     assert all(len(w) == 1 and keep for w, keep, *_ in one_rounds)
@@ -322,7 +323,8 @@ def test_merged_lora_samples_as_the_adapter_does_and_gives_the_weights_back(tok,
                          min(agent._cached(r)[0] - p for r, p in zip(rows, P))))
             return prefill(rows, P, gid)
         agent._prefill_wave = spy
-        runs[merge] = run_episodes(agent, tok, tasks, group_size=2, max_turns=4, progress=False, seed=3), seen
+        runs[merge] = run_episodes(agent, tok, tasks, group_size=2, max_turns=4, progress=False, seed=3,
+                                   max_context=8192), seen
     (plain, plain_seen), (merged, merged_seen) = runs[False], runs[True]
     print("per round (merged, own tokens cached):", merged_seen)
     assert not any(m for m, _ in plain_seen) and all(m for m, _ in merged_seen)
@@ -341,11 +343,13 @@ def test_two_system_prompts_decode_together_as_each_would_alone(tok, tiny):
     agent = ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8)
     prefill = []
     hook = tiny.model.register_forward_pre_hook(lambda m, a, kw: prefill.append(kw["input_ids"].shape), with_kwargs=True)
-    mixed = run_episodes(agent, tok, tasks["retail"] + tasks["airline"], group_size=2, max_turns=3, progress=False)
+    mixed = run_episodes(agent, tok, tasks["retail"] + tasks["airline"], group_size=2, max_turns=3, progress=False,
+                         max_context=8192)
     hook.remove()
     prompts = sorted(shape[1] for shape in prefill if shape[0] == 1 and shape[1] > 500)   # the two system prompts
     alone = [t for d in ours.DOMAINS for t in run_episodes(ModelAgent(tiny, tok, temperature=0.0, max_new_tokens=8),
-                                                           tok, tasks[d], group_size=2, max_turns=3, progress=False)]
+                                                           tok, tasks[d], group_size=2, max_turns=3, progress=False,
+                                                           max_context=8192)]
     assert len(prompts) == 2                                                   # once each, in the first round
     for a, b in zip(mixed, alone):
         assert (a.task_id, a.token_ids, a.loss_mask, a.messages) == (b.task_id, b.token_ids, b.loss_mask, b.messages)
@@ -357,7 +361,7 @@ def test_run_episodes_token_exact_with_tiny_model(tok, tiny):
     tasks = tasks_by_scenario("retail")[:2] + tasks_by_scenario("airline")[:1]
     rec = Recorder(ModelAgent(tiny, tok, temperature=1.0, max_new_tokens=6))
     torch.manual_seed(0)
-    trajs = run_episodes(rec, tok, tasks, group_size=2, max_turns=4, progress=False, seed=1)
+    trajs = run_episodes(rec, tok, tasks, group_size=2, max_turns=4, progress=False, seed=1, max_context=8192)
     fmt = ChatFormat(tok)
     assert [t.task_id for t in trajs] == [t.id for t in tasks for _ in range(2)]   # task-major
     assert [t.group for t in trajs] == [0, 0, 1, 1, 2, 2]
@@ -396,7 +400,7 @@ def test_malformed_outputs_become_error_observations(tok):
               call("find_user_id_by_email", {"email": task.hidden_facts["email"]})
               + call("get_order_details", {"order_id": task.hidden_facts["order_id"]}),           # two calls
               "Which order id?"]
-    trajs = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=6, progress=False)
+    trajs = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=6, progress=False, max_context=8192)
     t = trajs[0]
     tool_obs = [m["content"] for m in t.messages if m["role"] == "tool"]
     assert len(tool_obs) == 5 and all(o.startswith("Error") for o in tool_obs[:4])
@@ -429,7 +433,8 @@ def test_oracle_script_gets_reward_one_with_scripted_user(tok, domain):
     tasks = tasks_by_scenario(domain)
     trajs = []
     for task in tasks:
-        trajs += run_episodes(ScriptAgent(tok, oracle_script(task)), tok, [task], max_turns=20, progress=False)
+        trajs += run_episodes(ScriptAgent(tok, oracle_script(task)), tok, [task], max_turns=20, progress=False,
+                              max_context=8192)
     for task, t in zip(tasks, trajs):
         assert (t.reward, t.stop_reason) in ((1.0, "user_stop"), (1.0, "transfer")), (task.scenario, t.diff,
                                                                                         t.messages[-3:])
@@ -440,9 +445,10 @@ def test_oracle_script_gets_reward_one_with_scripted_user(tok, domain):
 
 def test_no_user_ends_at_first_text_turn_and_context_limit(tok):
     task = tasks_by_scenario("retail")[0]
-    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], user=envs.UserFactory("none"), progress=False)[0]
+    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], user=envs.UserFactory("none"), progress=False,
+                     max_turns=30, max_context=8192)[0]
     assert (t.stop_reason, t.turns) == ("agent_stop", 1)
-    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], max_context=500, progress=False)[0]
+    t = run_episodes(ScriptAgent(tok, ["Hello!"] * 3), tok, [task], max_context=500, progress=False, max_turns=30)[0]
     assert (t.stop_reason, t.turns) == ("context_limit", 0)       # the system prompt alone is ~1800 tokens
 
 
@@ -462,7 +468,7 @@ def test_print_one_trajectory_token_by_token(tok):
     task = next(t for t in tasks_by_scenario("retail") if t.scenario == "cancel_order")
     script = ["Sure. What is your email?",
               f'<tool_call>\n{json.dumps({"name": "find_user_id_by_email", "arguments": {"email": task.hidden_facts["email"]}})}\n</tool_call>']
-    t = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=2, progress=False)[0]
+    t = run_episodes(ScriptAgent(tok, script), tok, [task], max_turns=2, progress=False, max_context=8192)[0]
     start = [i for i, x in enumerate(t.token_ids) if x == 1][1]    # skip the system prompt
     print(f"\n{t.task_id}: {len(t.token_ids)} tokens, {sum(t.loss_mask)} trained; the tail from token {start}:")
     for i in range(start, len(t.token_ids)):
@@ -478,10 +484,10 @@ def test_user_seeds_pair_episodes_across_batches(tok):
     in different batches are compared on the same users (eval.paired_difference relies on it)."""
     tasks = [t for t in ours.make_tasks("retail", "test", 14) if t.confirm_terms][:6]
     together = run_episodes(ScriptAgent(tok, ["Hi, what is the reason?"] * 2), tok, tasks, group_size=2,
-                            max_turns=2, seed=5, progress=False)
+                            max_turns=2, seed=5, progress=False, max_context=8192)
     alone = [tr for t in reversed(tasks) for tr in run_episodes(ScriptAgent(tok, ["Hi, what is the reason?"] * 2),
                                                                    tok, [t], group_size=2, max_turns=2, seed=5,
-                                                                   progress=False)]
+                                                                   progress=False, max_context=8192)]
     key = lambda tr: (tr.task_id, tr.trial)                          # noqa: E731
     users_of = lambda trs: {key(tr): [m["content"] for m in tr.messages if m["role"] == "user"] for tr in trs}  # noqa: E731
     assert users_of(together) == users_of(alone)

@@ -39,7 +39,8 @@ def test_fast_sampler_equals_the_plain_one_greedy(tiny_lora, tok, waves):
     runs = {}
     for name, agent in (("plain", PlainAgent(tiny_lora, tok, temperature=0.0, max_new_tokens=8)),
                         ("fast", ModelAgent(tiny_lora, tok, temperature=0.0, max_new_tokens=8, kv_budget=kv_budget))):
-        runs[name] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=3, progress=False, seed=1)
+        runs[name] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=3, progress=False, seed=1,
+                                  max_context=8192)
     assert sum(t.turns for t in runs["plain"]) > len(runs["plain"])      # several rounds: caches were reused
     for a, b in zip(runs["plain"], runs["fast"]):
         assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask and a.messages == b.messages
@@ -58,7 +59,7 @@ def test_forget_empties_the_memo_and_changes_no_token(tiny_lora, tok):
             assert self.memo == []
             return out
     runs = [run_episodes(cls(tiny_lora, tok, temperature=0.0, max_new_tokens=8), tok, tasks(), group_size=2,
-                         max_turns=3, progress=False, seed=1) for cls in (ModelAgent, Forgetful)]
+                         max_turns=3, progress=False, seed=1, max_context=8192) for cls in (ModelAgent, Forgetful)]
     assert sum(t.turns for t in runs[0]) > len(runs[0])
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids and a.messages == b.messages
@@ -70,7 +71,8 @@ def test_forget_empties_the_memo_and_changes_no_token(tiny_lora, tok):
                          ids=["plain", "fast"])
 def test_sampled_logprobs_equal_a_teacher_forced_recomputation(tiny_lora, tok, make):
     torch.manual_seed(0)
-    trajs = run_episodes(make(tiny_lora, tok), tok, tasks()[:2], group_size=2, max_turns=3, progress=False, seed=2)
+    trajs = run_episodes(make(tiny_lora, tok), tok, tasks()[:2], group_size=2, max_turns=3, progress=False, seed=2,
+                         max_context=8192)
     gaps = []
     for t in trajs:
         ids = torch.tensor(t.token_ids)
@@ -98,7 +100,8 @@ def test_the_bench_profile_accounts_for_the_seconds_and_leaves_nothing_behind(ti
         torch.manual_seed(0)
         with Profile(agent) if profiled else contextlib.nullcontext() as prof:
             t0 = time.perf_counter()
-            runs[profiled] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=2, progress=False, seed=1)
+            runs[profiled] = run_episodes(agent, tok, tasks(), group_size=2, max_turns=2, progress=False, seed=1,
+                                          max_context=8192)
             total = time.perf_counter() - t0
     parts = [float(line.split()[-3]) for line in prof.report(total).splitlines()]
     print(prof.report(total))

@@ -72,7 +72,8 @@ def test_static_step_samples_the_plain_samplers_tokens_greedy(request, tok, qwen
     agents.update({weights: ModelAgent(model, tk, temperature=0.0, max_new_tokens=8, decode="static",
                                        sample_weights=weights) for weights in ("nf4", "bf16")})
     turns = 2 if name == "llama" else 1              # two rounds (the caches kept between them) on one model
-    runs = {kind: run_episodes(agent, tk, two_tasks(), group_size=2, max_turns=turns, progress=False, seed=1)
+    runs = {kind: run_episodes(agent, tk, two_tasks(), group_size=2, max_turns=turns, progress=False, seed=1,
+                               max_context=8192)
             for kind, agent in agents.items()}
     assert sum(t.turns for t in runs["plain"]) == turns * len(runs["plain"])
     for weights in ("nf4", "bf16"):
@@ -112,7 +113,7 @@ def test_nf4_model_each_mode_samples_the_plain_samplers_tokens_under_the_kernel_
     from sampler.static import dense_weight
     tk = qwen3_tok
     run = lambda agent: run_episodes(agent, tk, two_tasks(), group_size=2, max_turns=1, progress=False,   # noqa: E731
-                                     seed=1)
+                                     seed=1, max_context=8192)
     for model, weights in ((qwen3_nf4, "nf4"), (portable(qwen3_nf4), "bf16")):
         plain = run(PlainAgent(model, tk, temperature=0.0, max_new_tokens=8))
         static = run(ModelAgent(model, tk, temperature=0.0, max_new_tokens=8, decode="static", sample_weights=weights))
@@ -143,7 +144,7 @@ def test_graphs_are_captured_once_per_rows_bucket_for_the_run(tiny_lora, tok, ch
                        max_context=3584)
     keys, act = [], agent.act
     agent.act = lambda batch: (act(batch), keys.append(list(agent.static.graph_keys)))[0]
-    trajs = run_episodes(agent, tok, two_tasks(), group_size=4, max_turns=3, progress=False, seed=4)
+    trajs = run_episodes(agent, tok, two_tasks(), group_size=4, max_turns=3, progress=False, seed=4, max_context=8192)
     contexts = sorted({len(t.token_ids) for t in trajs})
     print(f"graph keys after each round {keys}; buckets stepped {sorted(set(steps))}; moves {check_often}; "
           f"contexts {contexts[0]}..{contexts[-1]} tokens")
@@ -170,7 +171,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_recomputation(tiny_lora, tok, c
     live rows are moved to a smaller bucket, and every log-prob equals the policy's on the final ids."""
     torch.manual_seed(0)
     agent = ModelAgent(tiny_lora, tok, temperature=1.1, max_new_tokens=16, decode="static", sample_weights=weights)
-    trajs = run_episodes(agent, tok, two_tasks(), group_size=2, max_turns=2, progress=False, seed=2)
+    trajs = run_episodes(agent, tok, two_tasks(), group_size=2, max_turns=2, progress=False, seed=2, max_context=8192)
     gap = teacher_forced_gaps(tiny_lora, trajs, 1.1)
     print(f"{weights}: max |sampled - teacher-forced| log-prob {gap.max():.2e} over {gap.numel()} tokens; "
           f"(live rows, their new bucket) at each move: {check_often}")
@@ -197,7 +198,8 @@ def test_bf16_copy_is_the_merged_weight_rounded_once_and_samples_as_the_unmerged
         torch.manual_seed(0)
         agent = ModelAgent(model, qwen3_tok, temperature=1.0, max_new_tokens=8, decode="static",
                            sample_weights=weights)
-        trajs = run_episodes(agent, qwen3_tok, two_tasks(), group_size=2, max_turns=1, progress=False, seed=3)
+        trajs = run_episodes(agent, qwen3_tok, two_tasks(), group_size=2, max_turns=1, progress=False, seed=3,
+                             max_context=8192)
         gaps[weights] = teacher_forced_gaps(model, trajs, 1.0)
     print("max / mean |sampler - training forward| log-prob in bf16: " + ", ".join(
         f"{w} {g.max():.2e} / {g.mean():.2e}" for w, g in gaps.items()))
@@ -211,7 +213,7 @@ def recorded_step(model, tk, weights, monkeypatch, T=1.0):
     step = StaticDecoder._step
     monkeypatch.setattr(StaticDecoder, "_step", lambda self, b: calls.append(b) or step(self, b))
     agent = ModelAgent(model, tk, temperature=T, max_new_tokens=3, decode="static", sample_weights=weights)
-    run_episodes(agent, tk, two_tasks(), group_size=2, max_turns=1, progress=False, seed=1)
+    run_episodes(agent, tk, two_tasks(), group_size=2, max_turns=1, progress=False, seed=1, max_context=8192)
     b = calls[-1]
     agent.static.state.t.fill_(1)                 # the step after the round's last writes token 1 again, not past room
     return agent.static, (agent.static.body, agent.static.proj, *agent.static.views(b), agent.static.state, b)

@@ -117,7 +117,8 @@ def test_a_prompt_longer_than_the_context_is_said_not_crashed(tok, capsys):
     """τ²'s policy and tools are 5-8k tokens: under a short --max-context no episode can start. The run
     says so in one line and scores those episodes 0."""
     task = envs.make_tasks("tau2-airline", "test", 1)[0]
-    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user=envs.UserFactory("oracle"), max_context=3072, progress=False)
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], user=envs.UserFactory("oracle"), max_context=3072, progress=False,
+                                 max_turns=30)
     assert [(t.stop_reason, t.reward, t.turns) for t in trajs] == [("context_limit", 0.0, 0)]
     out = capsys.readouterr().out
     assert "1 tau2-airline episode(s) end before the agent's first turn" in out and "raise --max-context" in out

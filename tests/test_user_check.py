@@ -109,7 +109,7 @@ def persona_episodes(agent, tok, tasks, trials=1, seed=1):
     out = []
     for name in U.PERSONAS:
         trajs = rollout.run_episodes(agent, tok, tasks, group_size=trials, user=envs.UserFactory(f"scripted:{name}"), seed=seed,
-                                     progress=False, max_turns=14)
+                                     progress=False, max_turns=14, max_context=8192)
         out += [(name, tasks[t.group], t) for t in trajs]
     return out
 
@@ -161,10 +161,11 @@ def test_a_checked_scripted_user_gives_the_same_trajectories_and_draws_no_random
         user.check_retries = 2
         return user
     plain = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=2,
-                                 user=envs.UserFactory("scripted:train"), seed=5, progress=False)
+                                 user=envs.UserFactory("scripted:train"), seed=5, progress=False,
+                                 max_turns=30, max_context=8192)
     states = random.getstate(), torch.get_rng_state()
     same = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=2, user=checked, seed=5,
-                                progress=False)
+                                progress=False, max_turns=30, max_context=8192)
     assert random.getstate() == states[0] and torch.equal(torch.get_rng_state(), states[1])
     assert [(t.token_ids, t.loss_mask, t.messages, t.reward, t.stop_reason) for t in same] == \
         [(t.token_ids, t.loss_mask, t.messages, t.reward, t.stop_reason) for t in plain]
@@ -181,7 +182,8 @@ def tasks():
 def llm_episodes(tok, tasks, srv, retries=2):
     make_user = envs.UserFactory("openai:scripted", {"base_url": srv.url, "api_key": "k", "timeout": 5.0,
                                                      "check_retries": retries})
-    return rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=make_user, progress=False)
+    return rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=make_user, progress=False,
+                                max_turns=30, max_context=8192)
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +254,7 @@ def test_an_evaluation_leaves_out_a_broken_users_task_and_stops_past_max_sim_fai
     broken = {(tasks[2].id, 1): ("wrong_fact", math.inf)}
     with FaultServer(tasks, breaks=broken) as srv:
         r = ev.evaluate(rollout.OracleAgent(tok), tok, tasks, trials=1, user=make_user(srv), progress=False, n_boot=10,
-                        price=[2.5, 10.0])
+                        price=[2.5, 10.0], max_turns=8, max_context=3072)
     assert r["tasks_lost"] == 1 and tasks[2].id not in r["rewards"] and r["overall"]["pass^k"][1] == 1.0
     u = r["users"]
     assert u["left_out"] == {"wrong_fact": 1} and u["user_flags"] == {"wrong_fact": 2} and u["user_asked_again"] == 1
@@ -262,7 +264,7 @@ def test_an_evaluation_leaves_out_a_broken_users_task_and_stops_past_max_sim_fai
     assert "| gold | " in table and "| wrong_fact 2 | wrong_fact 1 |" in table
     with FaultServer(tasks, breaks=broken) as srv, pytest.raises(SystemExit, match="^evaluation: 1 of 4 rollouts left"):
         ev.evaluate(rollout.OracleAgent(tok), tok, tasks, trials=1, user=make_user(srv), progress=False, n_boot=10,
-                    max_sim_failures=0.2)
+                    max_sim_failures=0.2, max_turns=8, max_context=3072)
 
 
 def test_a_re_ask_sends_the_flagged_message_the_correction_and_a_seeded_higher_temperature():

@@ -35,7 +35,7 @@ def llm_round(tok, tasks, srv, group_size=2, **settings):
     make_user = envs.UserFactory("openai:scripted", {"base_url": srv.url, "api_key": "k", "timeout": 5.0,
                                                      "max_retries": 6, **settings})
     return rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=group_size, user=make_user,
-                                progress=False)
+                                progress=False, max_turns=30, max_context=8192)
 
 
 def user_requests(trajs):
@@ -180,7 +180,7 @@ def test_scripted_users_give_the_tokens_they_gave_before_the_change(tok):
     for name, agent in (("oracle", rollout.OracleAgent(tok)), ("rambler", Rambler(tok))):
         h = hashlib.sha256()
         for t in rollout.run_episodes(agent, tok, tasks, group_size=2, user=envs.UserFactory("scripted"), max_turns=12, seed=3,
-                                      progress=False):
+                                      progress=False, max_context=8192):
             h.update(json.dumps([t.token_ids, t.loss_mask, t.reward, t.stop_reason]).encode())
         assert h.hexdigest() == SCRIPTED_REFERENCE[name], name
 

@@ -175,7 +175,7 @@ def llm_user_episodes(url, tasks, group_size=1, max_turns=1, user_workers=16, **
     make_user = envs.UserFactory("openai:sim-model", {"base_url": url, "api_key": "k", "timeout": 5.0,
                                                       "max_retries": 0, **settings})
     return rollout.run_episodes(AsksHowToHelp(tok), tok, tasks, group_size=group_size, user=make_user,
-                                max_turns=max_turns, user_workers=user_workers, progress=False)
+                                max_turns=max_turns, user_workers=user_workers, progress=False, max_context=8192)
 
 
 def test_a_rounds_sixteen_replies_take_one_slow_reply_not_sixteen():
@@ -261,7 +261,7 @@ def test_local_user_plays_whole_episodes_in_run_episodes():
     make_user = common.user_factory(types.SimpleNamespace(user="local", user_check="on", user_retries_on_check=2),
                                     tiny_random_llama(tok), tok)
     trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, [task], group_size=2, user=make_user, max_turns=2,
-                                 progress=False)
+                                 progress=False, max_context=8192)
     assert all(t.stop_reason != "error" and t.turns >= 1 for t in trajs)
     assert all(t.stats["user_usage"]["completion_tokens"] > 0 for t in trajs)
 
