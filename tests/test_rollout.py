@@ -224,7 +224,7 @@ def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
     model.model.register_forward_pre_hook(count, with_kwargs=True)
     common = tok("<|im_start|>system\nYou are a helpful agent.<|im_end|>\n", add_special_tokens=False).input_ids
     convs = [common + tok(x).input_ids for x in ("Hello there, how are you today?", "Hi", "Cancel #W1 now")]
-    ranks = []
+    ranks, deltas = [], []                             # deltas: the user turns the last round appended
     for k in range(4):
         if k == 3:                                     # an optimizer step changes the weights in place
             with torch.no_grad():
