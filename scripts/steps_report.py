@@ -64,10 +64,11 @@ def main(out, K, evaluation="eval"):
         if k == 0:
             print(f"  step 0: curve {curve}")
             continue
+        process = (f"process {m['process_s']:.0f} s, peak {m['peak_gib']:.1f} GiB" if "process_s" in m
+                   else "no time record")                  # /usr/bin/time -v's, where the run kept one
         print(f"  step {k}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of {m['groups_drawn']}, "
               f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update "
-              f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; process {num(m.get('process_s'), '.0f')} s, "
-              f"peak {num(m.get('peak_gib'), '.1f')} GiB; curve {curve}")
+              f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; {process}; curve {curve}")
     for pool, users in POOLS.items():
         print(f"\n{pool}, 40 tasks of seed {seed} (each task's episodes pooled):")
         print("| agent | " + " | ".join(METRICS.values()) + " | - SFT, pass^1 [95% CI] |\n|---|"
