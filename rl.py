@@ -6,7 +6,7 @@ loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_u
 
     python rl.py                        # from runs/sft/adapter; the CPU preset without a GPU, paper sizes with one
     python rl.py --steps 3              # resume that run for two more steps (bash scripts/steps.sh: K steps, evaluated)
-    python rl.py --sampler plain --logprob-pass plain     # the sampler and the update pass to read; the same numbers
+    python rl.py --sampler plain --logprob-pass plain     # the code to read: the same tokens, the update up to rounding
     python rl.py --init base --out runs/rl_base           # an ablation (README: each into its own --out)
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
 Writes args.json, metrics.jsonl, rl.png, rollouts/, reference/ (the starting adapter), ckpt-NNNNNN/, adapter/ under
@@ -112,7 +112,8 @@ def parse_args(argv=None):
                    "rules compared on identical rollouts)")
     g.add_argument("--logprob-pass", default="fast", choices=["fast", "plain"], help="the update's log-probs. plain: "
                    "one forward of each whole row (plain_logprobs, the code to read); fast: each domain's system "
-                   "prompt once a pass, the lm_head in chunks (common.shared_prefix_logprobs): the same numbers")
+                   "prompt once a pass, the lm_head in chunks (common.shared_prefix_logprobs): the same numbers up to "
+                   "fp32 rounding")
     g.add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the update under bf16 "
                    "autocast (weights, AdamW, log-softmax fp32); auto: on for a CPU with AVX512-BF16 or AMX only")
     args = common.parse_with_preset(p, PRESETS, argv)
