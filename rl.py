@@ -217,24 +217,29 @@ def group_advantages(rewards, group_size, eps=1e-4):
 
 # ---------------------------------------------------------------- 4. the update
 
-def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False):
-    """One GRPO update on the kept groups' rollouts (advantages adv, (N,)): --mini-batches AdamW steps, each on a random
-    subset of the rollouts (a shuffle seeded by `seed`: a rerun splits the same way), its rows grouped by domain,
-    shortest first, into micro-batches of --micro-batch. The log-probs of the sampled tokens, (b, T) a micro-batch,
-    come from plain_logprobs (--logprob-pass fast: common.shared_prefix_logprobs, each domain's system prompt once a
-    pass, the same numbers): logp under pi (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the
-    frozen start). -> the update's stats, summed."""
+def mini_batches(trajs, args, pad_id, seed, device) -> list[list]:
+    """--mini-batches random subsets of the rollouts (a shuffle seeded by `seed`: a rerun splits the same way), each
+    cut into micro-batches of --micro-batch, its rows grouped by domain, shortest first. A MicroBatch's rows index
+    trajs (and adv). With the fast pass, each domain's system prompt is cut out once (common.cut_shared_prefix)."""
     order = list(range(len(trajs)))
     random.Random(seed).shuffle(order)
     size = math.ceil(len(order) / args.mini_batches)
     ids, masks, domains = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.domain for t in trajs]
-    minis = [rollout.micro_batches(ids, masks, args.micro_batch, pad_id, domains, shortest_first=True,
-                                   device=model.device, rows=order[s:s + size])    # rows index trajs and adv
-             for s in range(0, len(order), size)]                                  # a mini-batch's micro-batches
-    fast = args.logprob_pass == "fast"
-    if fast and args.grad_checkpointing == "off":      # each domain's system prompt once a pass
+    minis = [rollout.micro_batches(ids, masks, args.micro_batch, pad_id, domains, shortest_first=True, device=device,
+                                   rows=order[s:s + size]) for s in range(0, len(order), size)]
+    if args.logprob_pass == "fast" and args.grad_checkpointing == "off":
         minis = [common.cut_shared_prefix(micro) for micro in minis]
-    logprobs = common.shared_prefix_logprobs if fast else plain_logprobs
+    return minis
+
+
+def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False):
+    """One GRPO update on the kept groups' rollouts (advantages adv, (N,)): an AdamW step on each of mini_batches'
+    random subsets. The log-probs of the sampled tokens, (b, T) a micro-batch, come from plain_logprobs
+    (--logprob-pass fast: common.shared_prefix_logprobs, each domain's system prompt once a pass, the same numbers
+    up to rounding): logp under pi (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the frozen
+    start). -> the update's stats, summed."""
+    minis = mini_batches(trajs, args, pad_id, seed, model.device)
+    logprobs = common.shared_prefix_logprobs if args.logprob_pass == "fast" else plain_logprobs
     bf16 = torch.autocast(model.device.type, torch.bfloat16, enabled=args.train_bf16 == "on")
     with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
         logp_old = [[lp for _, lp in logprobs(model, mini, args.temperature)] for mini in minis]
