@@ -174,8 +174,8 @@ def test_behaviour_metrics_tell_apart_agents_that_each_miss_something(tasks, tok
     nothing (asked before writing does not apply) and asks nothing. Paired: the oracle's gain over WriteAndWait is
     all pass^1, finishing and asking, none of it the end state."""
     from rollout import OracleAgent
-    run = lambda agent: ev.evaluate(agent, tok, tasks, trials=1, max_turns=8, progress=False, n_boot=20,
-                                    max_context=3072)   # noqa: E731
+    run = lambda agent: ev.evaluate(agent, tok, tasks, trials=1, max_turns=8, max_context=3072,   # noqa: E731
+                                    progress=False, n_boot=20)
     got = {name: run(agent) for name, agent in [("oracle", OracleAgent(tok)), ("writer", WriteAndWaitAgent(tok)),
                                                 ("silent", SilentAgent(tok))]}
     mean = lambda name, group="all": {m: v["mean"] for m, v in got[name]["behaviour"][group].items()}   # noqa: E731
