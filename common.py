@@ -9,6 +9,8 @@
   start_run                               threads, print and save the arguments, make --out, refuse a resume
                                           with other settings
   user_factory                            the one builder of each conversation's simulated user
+  asked_before_writing                    did an episode's agent ask to confirm before its first write (eval.py's
+                                          metric, rl.py's per-user asking rate)
   log_metrics, plot_panels                a step's line in metrics.jsonl, a stage's PNG
   figure, save_figure                     matplotlib without a display
   save_checkpoint, resume                 one checkpoint layout: the last two kept, the newest verified, and
@@ -148,7 +150,7 @@ def add_user_args(p: Parser, default="scripted", several=False):
     import users
     g = p.group("world")
     g.add_argument("--user", default=default, help=f"user simulator: {users.user_help()} (users.USER_KINDS; "
-                   "personas and their train / held-out split: users.PERSONAS)"
+                   "behaviours, personas and their train / held-out split: users.AXES, users.PERSONAS)"
                    + ("; a comma list evaluates under each" if several else ""))
     g = p.group("more")
     g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
@@ -161,8 +163,8 @@ def add_user_args(p: Parser, default="scripted", several=False):
     g.add_argument("--user-price", type=price, default="0,0", metavar="IN,OUT", help="USD per million prompt "
                    "and completion tokens of the user simulator, for the dollars reported (0,0: a local server)")
     g.add_argument("--max-sim-failures", type=float, default=0.25, help="stop when more than this share of a draw's "
-                   "(rl.py) or an evaluation's rollouts were left out: their user simulator failed or broke the check, "
-                   "or their env failed (they are never trained on nor scored)")
+                   "(rl.py) or an evaluation's rollouts were left out: their LLM user's simulator failed or broke the "
+                   "check (never trained on nor scored; a scripted user or our env that raises stops the run)")
     g.add_argument("--user-workers", type=int, default=users.USER_WORKERS, help="LLM users asked at once (each "
                    "round's replies; 256 = a paper-sized round all in flight; 1 for a server that answers one at a time)")
     g.add_argument("--user-timeout", type=float, default=60.0, help="seconds an LLM user's request may take before "
@@ -266,6 +268,28 @@ def user_factory(args, model=None, tokenizer=None, spec=None):
     settings = {"base_url": args.user_base_url, "timeout": args.user_timeout, **check} if spec.startswith("openai:") \
         else {"model": model, "tokenizer": tokenizer, **check} if spec == "local" else {}
     return envs.UserFactory(spec, settings)
+
+
+def asked_before_writing(traj) -> bool | None:
+    """Did the agent ask the user to confirm before its first write call? None if it made no write call
+    (or the domain has no write list: τ²). "Confirm before acting" is one of the behaviours MUA-RL's user
+    in the loop is meant to teach, and the reward, a database check, does not see it: a write that skips
+    the confirmation scores 1 when its values happen to be right. Only turns without an executed call
+    count as asking: one that also calls a tool has acted before the user could answer. (A turn whose
+    call was malformed counts by its text, though the env's error, not the user, answered it.)"""
+    from envs import ours
+    import users
+    writes, asked = ours.WRITE_TOOLS.get(traj.domain), False
+    if not writes:
+        return None
+    for m in traj.messages:
+        if m["role"] != "assistant":
+            continue
+        call = (m.get("tool_calls") or [None])[0]              # the executed one (run_episodes: first only)
+        if call and call["name"] in writes:
+            return asked
+        asked = asked or (not call and users.asks_confirmation(users.visible_text(m["content"])))
+    return None
 
 
 def log_metrics(out: str, metrics: list, m: dict, tracker=None):

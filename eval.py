@@ -228,7 +228,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("sc
              user_workers: int = users.USER_WORKERS, price=(0.0, 0.0), max_sim_failures: float = 1.0) -> dict:
     """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each, with the
     user each conversation gets from `user` (an envs.UserFactory). A task with a trial whose
-    user simulator failed or broke the check (or whose env failed) leaves pass^k; more than max_sim_failures of the
+    user simulator failed or broke the check leaves pass^k; more than max_sim_failures of the
     episodes left out stops the evaluation with one line. "users": what the users did and cost (users.user_report,
     dollars at price), the re-runs of the failure analysis included.
 
@@ -299,7 +299,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("sc
 
 def episode_metrics(task, traj) -> dict:
     """One episode's METRICS, None where one does not apply (no write to ask before, no fact withheld)."""
-    asked = asked_before_writing(traj)
+    asked = common.asked_before_writing(traj)
     return {"pass1": float(traj.reward >= 1), "correct_state": traj.stats["correct_state"],
             "finished": float(traj.stop_reason in ours.ENDED), "asked_first": None if asked is None else float(asked),
             "facts_asked": facts_asked(task, traj), "turns": traj.turns}
@@ -368,26 +368,6 @@ def save_episodes(path: str, agent: str, trajs):
     reason) with the agent's label: `python scripts/viewer.py OUT` shows them, and where the agents differ."""
     with open(path, "w") as f:
         f.writelines(json.dumps({"agent": agent, **vars(t)}) + "\n" for t in trajs)
-
-
-def asked_before_writing(traj) -> bool | None:
-    """Did the agent ask the user to confirm before its first write call? None if it made no write call
-    (or the domain has no write list: τ²). "Confirm before acting" is one of the behaviours MUA-RL's user
-    in the loop is meant to teach, and the reward, a database check, does not see it: a write that skips
-    the confirmation scores 1 when its values happen to be right. Only turns without an executed call
-    count as asking: one that also calls a tool has acted before the user could answer. (A turn whose
-    call was malformed counts by its text, though the env's error, not the user, answered it.)"""
-    writes, asked = ours.WRITE_TOOLS.get(traj.domain), False
-    if not writes:
-        return None
-    for m in traj.messages:
-        if m["role"] != "assistant":
-            continue
-        call = (m.get("tool_calls") or [None])[0]              # the executed one (run_episodes: first only)
-        if call and call["name"] in writes:
-            return asked
-        asked = asked or (not call and users.asks_confirmation(users.visible_text(m["content"])))
-    return None
 
 
 # ----------------------------------------------------------------------------- report

@@ -146,14 +146,14 @@ def parse_args(argv=None):
 def sample_groups(draw, pools, step, args):
     """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws; draw(tasks, step, index) ->
     the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed or broke
-    the check, or whose env failed, is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
+    the check is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
     rng = random.Random(args.seed * SEED_STRIDE + step)      # its own: a resumed run redraws the same tasks
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]   # the domains alternate
     drawn, varied, left = [], [], []
     for index in range(args.max_draws):
         groups = draw(order[index * args.draw:(index + 1) * args.draw], step, index)
-        failed = [t for g in groups for t in g if t.failed]   # a user or env failed, or a user broke the check
+        failed = [t for g in groups for t in g if t.failed]   # an LLM user failed or broke the check
         if failed:
             users.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
         left += failed
@@ -397,8 +397,30 @@ def step_metrics(step, drawn, kept, left, stats, seconds, price) -> dict:
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
                 train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
                 sim_failures=len(left), **seconds, tok_per_s=seconds["rollout_s"] and sampled / seconds["rollout_s"],
+                by_user=by_user(every),
                 **users.user_report(every + left, seconds["rollout_s"] and seconds["rollout_s"] + seconds["train_s"],
                                       price))
+
+
+def by_user(trajs) -> dict:
+    """Reward and the asking rate (asked to confirm before the first write, over the episodes that wrote) per
+    training user: each named persona, and each behaviour value ("gives=one_first"), so a slide under one kind of
+    user shows while it trains, not only in the evaluation after it. Scripted users only."""
+    groups = {}
+    for t in trajs:
+        if "behaviour" not in t.stats:
+            continue
+        keys = [f"{axis}={value}" for axis, value in t.stats["behaviour"].items()]
+        if "=" not in t.stats["user"] and t.stats["user"] != "population":
+            keys.insert(0, t.stats["user"])
+        for key in keys:
+            groups.setdefault(key, []).append(t)
+    out = {}
+    for key, mine in groups.items():
+        asked = [a for a in map(common.asked_before_writing, mine) if a is not None]
+        out[key] = dict(n=len(mine), reward=sum(t.reward for t in mine) / len(mine),
+                        asked=sum(asked) / len(asked) if asked else None)
+    return out
 
 
 def log(args, metrics, m, tracker=None):
@@ -411,6 +433,10 @@ def log(args, metrics, m, tracker=None):
               f"kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')} | gnorm "
               f"{f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | "
               f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s | {users.user_line(m)}", flush=True)
+    if m.get("by_user"):                          # the named personas, or (a population) each behaviour value
+        named = {k: v for k, v in m["by_user"].items() if "=" not in k} or m["by_user"]
+        print(f"step {m['step']:3d} | by user, reward / asked before writing: " + ", ".join(
+              f"{k} {v['reward']:.2f} / {f(v['asked'], '.2f')}" for k, v in named.items()), flush=True)
     if "heldout_by_user" in m:
         print(f"step {m['step']:3d} | held-out pass^1 " + ", ".join(f"{v:.3f} under {u}" for u, v in
               m["heldout_by_user"].items()) + f" on {args.eval_tasks * len(args.domains.split(','))} tasks", flush=True)

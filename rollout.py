@@ -13,8 +13,9 @@ Simplifications vs the paper
   * the user is a scripted simulator by default (a 135M model cannot play a user); the
     paper's GPT-4o user is `--user openai:MODEL`;
   * only the first tool call of a turn is executed (as in the official code);
-  * a rollout whose user simulator or environment fails is marked `failed` and ends; the stages leave
-    it out of training and of pass^k (its 0 would be the infrastructure's, not the agent's).
+  * a rollout whose LLM user simulator fails (the network, the server) is marked `failed` and ends; the stages
+    leave it out of training and of pass^k (its 0 would be the infrastructure's, not the agent's). A scripted user
+    or an env of ours that raises is a bug: the exception stops the run.
 """
 import contextlib
 import importlib.util
@@ -310,7 +311,7 @@ class Trajectory:
     stop_reason: str = ""       # user_stop | transfer | max_turns | context_limit | agent_stop | error
     stats: dict = field(default_factory=dict)   # COUNTS, user_flags, user_wait_s, then the end's (run_episodes)
     diff: str = ""
-    failed: str = ""            # "user" or "env": the simulator failed; "user_broke": the user broke the check (stats["error"])
+    failed: str = ""            # "user": the LLM user's simulator failed; "user_broke": it broke the check (stats["error"])
 
     def show(self, max_chars: int = 300) -> str:
         lines = [f"== {self.task_id} [{self.scenario}/{self.tier}] reward={self.reward} turns={self.turns} "
@@ -465,7 +466,7 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
         ids = fmt.prompt_ids(env.policy, opening, env.tools)    # messages[0] holds the tools as text; mask 0
         traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, ids, [0] * len(ids), [0.0] * len(ids),
                           [{"role": "system", "content": system}, {"role": "user", "content": opening}],
-                          stats=dict.fromkeys(COUNTS, 0) | {"user_flags": {}, "user_wait_s": waited})
+                          stats=dict.fromkeys(COUNTS, 0) | {"user_flags": {}, "user_wait_s": waited} | user_of(u))
         if bad or isinstance(first, Exception):    # no opening, no conversation: the simulator failed or broke
             traj.messages[1].update(checked(traj, first, bad))
         if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
@@ -478,6 +479,13 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
               f"answer that passes max_context {max_context}. They score 0; raise --max-context (up to the model's "
               "context) or use a model with a longer one.")
     return convs, workers
+
+
+def user_of(user) -> dict:
+    """Who a scripted user is, for the metrics by user (rl.py): its label (a persona's name, "population", a row
+    written out) and its value on each behaviour axis. Other users: nothing."""
+    behaviour = getattr(user, "behaviour", None)
+    return {"user": user.label, "behaviour": behaviour._asdict()} if behaviour else {}
 
 
 def agent_turn(conv, new_ids, new_lp, fmt, tokenizer) -> bool:
@@ -495,24 +503,21 @@ def agent_turn(conv, new_ids, new_lp, fmt, tokenizer) -> bool:
     traj.messages.append({"role": "assistant", "content": text, "tool_calls": calls}
                          | ({} if ended else {"truncated": True}))   # cut at max_new_tokens
     traj.stats["truncated_turns"] += not ended
-    try:
-        if calls:
-            traj.stats["tool_calls"] += 1
-            traj.stats["extra_calls_ignored"] += len(calls) - 1 + (error is not None)
-            obs = env.step(calls[0]["name"], calls[0]["arguments"])
-            traj.stats["tool_errors"] += obs.startswith("Error")
-            if calls[0]["name"] == "transfer_to_human_agents" and not obs.startswith("Error"):
-                traj.stop_reason = "transfer"
-            _append_turn(traj, fmt, "tool", obs)
-        elif error:
-            traj.stats["malformed_calls"] += 1
-            _append_turn(traj, fmt, "tool", f"Error: {error}")
-        elif conv.user.ends_on_text:
-            traj.stop_reason = "agent_stop"
-        else:
-            return True
-    except Exception as e:                               # a failing env ends this rollout only
-        traj.stop_reason, traj.failed, traj.stats["error"] = "error", "env", f"{e.__class__.__name__}: {e}"
+    if calls:                                            # the env never raises for the agent's input: an error
+        traj.stats["tool_calls"] += 1                    # is an "Error: ..." observation, anything else a bug
+        traj.stats["extra_calls_ignored"] += len(calls) - 1 + (error is not None)
+        obs = env.step(calls[0]["name"], calls[0]["arguments"])
+        traj.stats["tool_errors"] += obs.startswith("Error")
+        if calls[0]["name"] == "transfer_to_human_agents" and not obs.startswith("Error"):
+            traj.stop_reason = "transfer"
+        _append_turn(traj, fmt, "tool", obs)
+    elif error:
+        traj.stats["malformed_calls"] += 1
+        _append_turn(traj, fmt, "tool", f"Error: {error}")
+    elif conv.user.ends_on_text:
+        traj.stop_reason = "agent_stop"
+    else:
+        return True
     return False
 
 

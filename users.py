@@ -2,9 +2,11 @@
 
 A user gets its task (instruction, opening, hidden facts) and the agent's visible text, never the tools,
 the policy or the DB. One interface, User.first_message() / User.reply(messages), four implementations:
-  ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user); its personas (--user
-                scripted:NAME, the table PERSONAS) reveal, confirm and speak differently, split like tasks: training
-                ones (scripted:train draws one per conversation) and held-out ones no stage trains on
+  ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user); its conduct is a row of
+                values on named axes (Behaviour, AXES: how it opens, gives facts, meets a request to confirm, words
+                things, errs), each value split like tasks: training values, and held-out ones no stage trains on.
+                The named personas are rows (--user scripted:NAME, PERSONAS); scripted:population draws a row of
+                training values per conversation
   OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
   LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
@@ -14,6 +16,7 @@ a stop before the needed write, a fact the task does not hold, the agent's voice
 """
 import contextlib
 import functools
+import itertools
 import os
 import random
 import re
@@ -90,43 +93,223 @@ def names(text: str, term) -> bool:
     return any(re.search(r"(?<![\w.])" + re.escape(str(a).lower()) + r"(?!\w)", text.lower()) for a in alts)
 
 
+# ---- the scripted user: one set of rules, its conduct a row of values on named axes (Behaviour). A named persona is
+# a row (PERSONAS); a training population draws rows of training values (scripted:population); a held-out persona
+# keeps at least one value that no training row can draw (UserVille's split), so it tests whole unseen behaviours.
+
+class Value(NamedTuple):
+    """One value of an axis: who may draw it, and its rule in words (docs/personas.md shows them)."""
+    split: str       # "train": training stages and the population may use it; "held-out": only evaluation
+    says: str
+
+
+AXES = {
+    "opens": {
+        "ids": Value("train", "with the task's own opening"),
+        "request": Value("held-out", "with the request alone, none of the ids an easy task's opening gives"),
+    },
+    "gives": {
+        "asked": Value("train", "every fact asked for, each when the agent uses a word for it"),
+        "all_at_first": Value("train", "all its facts at once, at the first question; later, the facts asked"),
+        "one_first": Value("train", "one fact a reply: the first asked that it has not given yet"),
+        "one_last": Value("held-out", "one fact a reply: the last asked that it has not given yet"),
+        "by_name": Value("held-out", "only a fact asked by its own name (\"order id\", not \"which order\")"),
+    },
+    "confirms": {
+        "decides": Value("train", "yes only to a request naming every value of the change (none wrong); else no "
+                                  "and the right values"),
+        "asks_back": Value("train", "a question back first; asked again, it decides"),
+        "bare_no": Value("held-out", "yes only to a request naming every value; else a bare no, no hint"),
+    },
+    "words": {
+        "plain": Value("train", "plain"),
+        "terse": Value("train", "terse: no greeting, bare values, one-word answers"),
+        "chatty": Value("train", "chatty: an irrelevant detail in every message"),
+        "casual": Value("train", "casual: lower case, slang"),
+        "formal": Value("held-out", "formal"),
+        "other": Value("held-out", "other words for everything"),
+    },
+    "mistakes": {
+        "none": Value("train", "none"),
+        "one_digit": Value("train", "the first fact with a digit comes with one digit wrong, corrected in its next "
+                                    "message"),
+    },
+}
+
+
+class Behaviour(NamedTuple):
+    """A scripted user's conduct: one value of each of AXES."""
+    opens: str
+    gives: str
+    confirms: str
+    words: str
+    mistakes: str
+
+
+class Words(NamedTuple):
+    """How a scripted user words things; its rng draws each phrase from its tuple."""
+    greet: tuple
+    yes: tuple       # every one a yes to the gold agent (oracle._is_yes); no other phrase is
+    no: tuple
+    thanks: tuple
+    nudge: tuple     # asked nothing it can answer
+    wait: tuple      # every write approved but not yet reported done
+    back: tuple      # its question back before deciding (confirms "asks_back")
+    fact: str        # a fact given, with {key} and {value}
+    asides: tuple = ()   # a detail that has nothing to do with the request, after every message but the last
+
+
+BACK = ("Before I answer: will this cost me anything extra?", "Wait, can that be undone later if I change my mind?",
+        "Hmm, how long will that take to go through?")
+WORDS = {
+    "plain": Words(
+        greet=("", "Hi! ", "Hello. ", "Hey there, ", "Good morning. "),
+        yes=("Yes, please go ahead.", "Yes, that's right, please proceed.", "Correct, go ahead.", "Yes."),
+        no=("No, that's not right.", "No, that's not what I want.", "No, please don't do that."),
+        thanks=("Great, thank you, that's all.", "Perfect, thanks for your help!", "Thanks, that's everything."),
+        nudge=("Can you help me with that?", "What do you need from me?", "Could you take care of it?"),
+        wait=("Okay, please go ahead and make the change.", "Please do it now.", "Go ahead, please."),
+        back=BACK, fact="My {key} is {value}."),
+    "terse": Words(
+        greet=("",), yes=("Yes.", "Yep.", "Yes, do it."), no=("No.", "Nope."),
+        thanks=("Thanks. Bye.", "Ok, thanks.", "Fine, thanks."), nudge=("Well?", "And?", "So?"),
+        wait=("Do it.", "Go on.", "Make the change."), back=BACK, fact="{key} {value}."),
+    "chatty": Words(
+        greet=("Hi hi! ", "Hello there, hope your day is going well! ", "Oh hello! "),
+        yes=("Yes, please go ahead with that.", "Yes! That's exactly it, go ahead.", "Yes, that's the one, thanks."),
+        no=("No no, that's not it.", "No, hold on, that's not what I meant."),
+        thanks=("Wonderful, thank you so much, have a lovely day!", "Brilliant, thanks, that's everything from me!"),
+        nudge=("So, can we get this sorted today?", "What would you need from me for that?"),
+        wait=("Lovely, please go ahead and make the change then.", "Great, please do it now."),
+        back=("Oh, quick question first: will I get an email about this?",
+              "Before that: is this handled by you or a different team?",
+              "One thing first: will it show up on my account right away?"),
+        fact="My {key} is {value}.",
+        # never a word the gold agent reads as a yes (yes, sure, correct, proceed, go ahead), nor a fact's value
+        asides=("My cat just walked across the keyboard, sorry.", "I'm typing this on the bus, so bear with me.",
+                "It's been raining here all week.", "My neighbour is drilling again, it's so loud.",
+                "I had the best coffee this morning.", "My sister says hi, she's reading over my shoulder.")),
+    "casual": Words(
+        greet=("", "hey, ", "hiya ", "ok so "),
+        yes=("yep, go for it", "yeah that's it, do it", "yup, go ahead"),
+        no=("nah, that's not it", "nope, not what i meant"),
+        thanks=("cool, thanks!", "awesome, cheers, that's it", "nice one, thx"),
+        nudge=("so can u sort it?", "what do u need from me?", "ok what now?"),
+        wait=("k, go ahead and change it", "pls just do it", "go on then"),
+        back=("hmm wait, does that cost extra?", "hang on, can i undo that later?", "wait how long does that take?"),
+        fact="my {key}'s {value}"),
+    "formal": Words(
+        greet=("Good afternoon. ", "Good day. ", "Hello. "),
+        yes=("Yes. Please proceed.", "Yes, that is what I requested.", "Yes, you may go ahead."),
+        no=("No. That is not what I requested.", "No. Please state the change exactly."),
+        thanks=("Thank you for your assistance.", "Thank you. That concludes my request."),
+        nudge=("Please tell me exactly which details you require.", "Which details do you require?"),
+        wait=("Please carry out the change now.", "Kindly make the change."),
+        back=BACK, fact="My {key} is {value}."),
+    "other": Words(
+        greet=("", "Hello! ", "Hi there. ", "Evening. "),
+        yes=("Sure, do it.", "Yep, that's what I want, go ahead.", "That is correct.", "Sure."),
+        no=("Nope, that's wrong.", "No, not like that.", "Nope, please don't."),
+        thanks=("Lovely, thanks a lot, bye!", "Got it, thanks, that's all I needed.", "Cheers, all good now."),
+        nudge=("So, can you sort it out?", "What happens next?", "Anything you need from me?"),
+        wait=("Alright, please make the change now.", "Okay, I'm waiting for it to be done.", "Please carry on."),
+        back=BACK, fact="The {key}: {value}."),
+}
+REQUESTS = {"cancel_order": "Could you cancel one of my orders for me?",     # opens "request": openings without ids
+            "add_bags": "I need extra checked luggage on one of my bookings."}
+
+# THE named personas (--user scripted:NAME; plain "scripted" is "default"): rows of AXES' values. Their split follows
+# from their values: a row with a held-out value is held out. docs/personas.md shows this table (persona_table()).
+PERSONAS = {
+    "default": Behaviour(opens="ids", gives="asked", confirms="decides", words="plain", mistakes="none"),
+    "terse": Behaviour(opens="ids", gives="all_at_first", confirms="decides", words="terse", mistakes="none"),
+    "chatty": Behaviour(opens="ids", gives="one_first", confirms="asks_back", words="chatty", mistakes="none"),
+    "careless": Behaviour(opens="ids", gives="asked", confirms="decides", words="plain", mistakes="one_digit"),
+    "curious": Behaviour(opens="request", gives="one_last", confirms="asks_back", words="other", mistakes="none"),
+    "literal": Behaviour(opens="ids", gives="by_name", confirms="bare_no", words="formal", mistakes="none"),
+}
+MIXES = {"train": "train", "heldout": "held-out"}   # scripted:train / scripted:heldout: a named persona of that split
+
+
+def held_out_values(b: Behaviour) -> list[str]:
+    """The values of b that no training row can draw, as "axis=value"."""
+    return [f"{axis}={v}" for axis, v in b._asdict().items() if AXES[axis][v].split != "train"]
+
+
+def split_of(b: Behaviour) -> str:
+    return "held-out" if held_out_values(b) else "train"
+
+
+def population() -> list[Behaviour]:
+    """Every row of training values: what scripted:population draws from, one row per conversation."""
+    values = [[v for v, val in AXES[axis].items() if val.split == "train"] for axis in Behaviour._fields]
+    return [Behaviour(*row) for row in itertools.product(*values)]
+
+
 class ScriptedUser(User):
-    """Deterministic (given seed) rule-based user, the CPU default. Opens with task.opening; reveals
-    hidden_facts[key] only when the agent's last message uses a word of FACT_KEYWORDS[key].
-    Asked to confirm a change, it says yes only if the message names every value that makes the next
-    write right (task.confirm_terms: the ids, and the reason, bag count, flight, item, option or payment
-    method that apply) and none of the values that would make it wrong (task.rivals: a second reason,
-    another card); otherwise it says no and corrects the values that were missing, wrong or ambiguous.
-    Once every write is confirmed it waits until the agent reports the change done (nudging it to go
-    ahead), then thanks and stops. Tasks without writes: it stops once every required output was said
-    or the agent refused. patience: at most this many replies, then it gives up."""
+    """Deterministic (given seed) rule-based user, the CPU default, its conduct set by a Behaviour. It opens with
+    task.opening (or, opens "request", REQUESTS' opening without ids); it reveals hidden_facts[key] only when the
+    agent's last message uses a word of FACT_KEYWORDS[key] (how many at once, and which: gives). Asked to confirm a
+    change, it says yes only if the message names every value that makes the next write right (task.confirm_terms:
+    the ids, and the reason, bag count, flight, item, option or payment method that apply) and none of the values
+    that would make it wrong (task.rivals: a second reason, another card); otherwise it says no and corrects the
+    values that were missing, wrong or ambiguous (confirms "bare_no": no alone; "asks_back": a question first).
+    Once every write is confirmed it waits until the agent reports the change done (nudging it to go ahead), then
+    thanks and stops. Tasks without writes: it stops once every required output was said or the agent refused.
+    patience: at most this many replies, then it gives up. label: the persona's name, or "population"."""
 
-    GREET = ("", "Hi! ", "Hello. ", "Hey there, ", "Good morning. ")
-    YES = ("Yes, please go ahead.", "Yes, that's right, please proceed.", "Correct, go ahead.", "Yes.")
-    NO = ("No, that's not right.", "No, that's not what I want.", "No, please don't do that.")
-    THANKS = ("Great, thank you, that's all.", "Perfect, thanks for your help!", "Thanks, that's everything.")
-    NUDGE = ("Can you help me with that?", "What do you need from me?", "Could you take care of it?")
-    WAIT = ("Okay, please go ahead and make the change.", "Please do it now.", "Go ahead, please.")
-
-    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
+    def __init__(self, task, seed: int = 0, behaviour: Behaviour = PERSONAS["default"], label: str = "default",
+                 patience: int = PATIENCE):
         super().__init__(task)
+        self.behaviour, self.words, self.label = behaviour, WORDS[behaviour.words], label
         self.rng, self.patience, self.replies = random.Random(seed), patience, 0
-        self.confirmed, self.opening = [False] * len(task.confirm_terms), task.opening
+        self.confirmed = [False] * len(task.confirm_terms)
+        self.opening = REQUESTS.get(task.scenario, task.opening) if behaviour.opens == "request" else task.opening
+        self.given = set()            # gives one_first / one_last: the facts it has given
+        self.told_all = False         # gives all_at_first: it has given everything once
+        self.by_name = []             # gives by_name: the facts the agent's last message named by their own name
+        self.asked_back = False       # confirms asks_back: it has asked its question back
+        self.mistyped, self.correction = False, ""   # mistakes one_digit: done, and the correction still owed
 
     def first_message(self) -> str:
-        greet = self.rng.choice(self.GREET)                # openings that already greet get no second hello
-        return self.opening if re.match(r"(hi|hello|hey)\b", self.opening, re.I) else greet + self.opening
+        greet = self.rng.choice(self.words.greet)          # openings that already greet get no second hello
+        said = self.opening if re.match(r"(hi|hello|hey)\b", self.opening, re.I) else greet + self.opening
+        return self._aside(said)
+
+    def _aside(self, said: str) -> str:
+        return f"{said} {self.rng.choice(self.words.asides)}" if self.words.asides else said
 
     def _fact(self, key: str) -> str:
-        return f"My {key.replace('_', ' ')} is {self.task.hidden_facts[key]}."
+        """A fact in its words; mistakes one_digit: the first with a digit has its last digit one up (so never the
+        right value), and the correction is owed to the next message."""
+        value, name = str(self.task.hidden_facts[key]), key.replace("_", " ")
+        digits = [i for i, c in enumerate(value) if c.isdigit()]
+        if self.behaviour.mistakes == "one_digit" and not self.mistyped and digits:
+            i, right = digits[-1], value
+            value = value[:i] + str((int(value[i]) + 1) % 10) + value[i + 1:]
+            self.mistyped, self.correction = True, f"Sorry, I mistyped my {name}: it is {right}, not {value}."
+        return self.words.fact.format(key=name, value=value)
 
     def _answer(self, asked: list[str]) -> list[str]:
-        """The facts it reveals when asked for these (all of them, in FACT_KEYWORDS' order)."""
+        """The facts it reveals when asked for these (asked: FACT_KEYWORDS' order), as its gives value says."""
+        gives = self.behaviour.gives
+        if gives == "all_at_first" and asked and not self.told_all:
+            self.told_all = True
+            return [self._fact(k) for k in self.task.hidden_facts]
+        if gives in ("one_first", "one_last"):
+            if not asked:
+                return []
+            fresh = [k for k in asked if k not in self.given] or asked    # asked only for given ones: that one again
+            key = fresh[0] if gives == "one_first" else fresh[-1]
+            self.given.add(key)
+            return [self._fact(key)]
+        if gives == "by_name":
+            return [self._fact(k) for k in asked if k in self.by_name]
         return [self._fact(k) for k in asked]
 
     def _confirm(self, text: str) -> list[str]:
-        """Answer a confirmation request: yes to the first unconfirmed write whose values it all names,
-        else no and the right values of the write it got closest to."""
+        """Answer a confirmation request: yes to the first unconfirmed write whose values it all names, else no
+        and the right values of the write it got closest to (confirms "bare_no": the no alone)."""
         pending = [i for i, ok in enumerate(self.confirmed) if not ok]
         rivals = self.task.rivals                       # a value named beside a rival of its kind is not named
         named = {i: [k for k, term in self.task.confirm_terms[i].items()
@@ -134,236 +317,84 @@ class ScriptedUser(User):
         done = next((i for i in pending if len(named[i]) == len(self.task.confirm_terms[i])), None)
         if done is not None:
             self.confirmed[done] = True
-            return [self.rng.choice(self.YES)]
+            return [self.rng.choice(self.words.yes)]
+        no = [self.rng.choice(self.words.no)]
+        if self.behaviour.confirms == "bare_no":
+            return no
         closest = max(pending, key=lambda i: len(named[i]))
         wrong = [k for k in self.task.confirm_terms[closest] if k not in named[closest]]
         fixes = [self._fact(k) for k in wrong if k in self.task.hidden_facts]
-        return [self.rng.choice(self.NO)] + fixes + [self.opening] * (len(fixes) < len(wrong))
+        if len(fixes) < len(wrong):                     # a value it holds no fact for: its request again
+            fixes.append(self.opening)
+        return no + fixes
 
     def reply(self, messages: list[dict]) -> str:
-        self.replies += 1
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
-        low = (last := said[-1] if said else "").lower()
+        last = said[-1] if said else ""
+        owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
+        if self.behaviour.gives == "by_name":
+            self.by_name = [k for k in self.task.hidden_facts if re.search(r"\b" + k.replace("_", " "), last.lower())]
+        if (self.behaviour.confirms == "asks_back" and not self.asked_back and asks_confirmation(last)
+                and not all(self.confirmed)):
+            self.asked_back, self.replies = True, self.replies + 1
+            text = self.rng.choice(self.words.back)
+        else:
+            text = self._decide(said)
+        if STOP in text:
+            return text
+        return self._aside(f"{text} {owed}" if owed else text)
+
+    def _decide(self, said: list[str]) -> str:
+        """The reply's substance, given what the agent has said: give up, thank and stop, wait for the report,
+        answer a confirmation request (only that), or give the facts asked for (asked nothing: a nudge)."""
+        self.replies += 1
+        last = said[-1] if said else ""
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
         if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
             if _REPORTS_DONE.search(last) and not asks_confirmation(last):
-                return f"{self.rng.choice(self.THANKS)} {STOP}"
-            return self.rng.choice(self.WAIT)
-        asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, low)]
+                return f"{self.rng.choice(self.words.thanks)} {STOP}"
+            return self.rng.choice(self.words.wait)
+        asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
         if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
             outs = self.task.required_outputs
             if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
-                return f"{self.rng.choice(self.THANKS)} {STOP}"
+                return f"{self.rng.choice(self.words.thanks)} {STOP}"
         if asks_confirmation(last) and self.task.confirm_terms:   # answers the request, nothing more
             return " ".join(self._confirm(last))
         facts = self._answer(asked)
-        return " ".join(facts or [self.rng.choice(self.NUDGE)] + [self.opening] * (self.rng.random() < 0.5))
-
-
-class AsksBackFirst:
-    """Mixin for a persona that meets the first request to confirm with a question of its own (BACK) and decides
-    only when asked again; the decision is then ScriptedUser's rule. Tasks without writes never ask to confirm."""
-    BACK = ("Before I answer: will this cost me anything extra?", "Wait, can that be undone later if I change my mind?",
-            "Hmm, how long will that take to go through?")
-
-    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
-        super().__init__(task, seed, patience)
-        self.asked_back = False
-
-    def reply(self, messages: list[dict]) -> str:
-        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
-        if not self.asked_back and said and asks_confirmation(said[-1]) and not all(self.confirmed):
-            self.asked_back, self.replies = True, self.replies + 1
-            return self.rng.choice(self.BACK)
-        return super().reply(messages)
-
-
-class OneFactAReply:
-    """Mixin for a persona that, asked for several facts, gives one a reply: of those asked that it has not given
-    yet, the first (WHICH = 0) or the last (WHICH = -1); asked again only for given ones, that one again. (Asked
-    "your email address" after giving the address, it gives the email, though "address" was asked too.)"""
-    WHICH = 0
-
-    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
-        super().__init__(task, seed, patience)
-        self.given = set()
-
-    def _answer(self, asked: list[str]) -> list[str]:
-        if not asked:
-            return []
-        key = ([k for k in asked if k not in self.given] or asked)[self.WHICH]
-        self.given.add(key)
-        return [self._fact(key)]
-
-
-class CuriousUser(AsksBackFirst, OneFactAReply, ScriptedUser):
-    """Persona "curious" (held out): does an agent trained with other users overfit them? Other words for
-    everything; an opening that names the request but none of the ids an easy task's opening gives (so the agent
-    has to ask); asked for several facts, it gives one, the last asked (OneFactAReply); and it answers the first
-    request to confirm with a question of its own, deciding only when asked again (AsksBackFirst)."""
-    WHICH = -1
-
-    GREET = ("", "Hello! ", "Hi there. ", "Evening. ")
-    YES = ("Sure, do it.", "Yep, that's what I want, go ahead.", "That is correct.", "Sure.")
-    NO = ("Nope, that's wrong.", "No, not like that.", "Nope, please don't.")
-    THANKS = ("Lovely, thanks a lot, bye!", "Got it, thanks, that's all I needed.", "Cheers, all good now.")
-    NUDGE = ("So, can you sort it out?", "What happens next?", "Anything you need from me?")
-    WAIT = ("Alright, please make the change now.", "Okay, I'm waiting for it to be done.", "Please carry on.")
-    REQUESTS = {"cancel_order": "Could you cancel one of my orders for me?",     # openings without their ids
-                "add_bags": "I need extra checked luggage on one of my bookings."}
-
-    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
-        super().__init__(task, seed, patience)
-        self.opening = self.REQUESTS.get(task.scenario, task.opening)
-
-    def _fact(self, key: str) -> str:
-        return f"The {key.replace('_', ' ')}: {self.task.hidden_facts[key]}."
-
-
-class TerseUser(ScriptedUser):
-    """Persona "terse" (training): no greeting, bare values, one-word answers; at the first question for any fact
-    it gives every fact it knows at once (later questions: the facts asked)."""
-
-    GREET = ("",)
-    YES = ("Yes.", "Yep.", "Yes, do it.")
-    NO = ("No.", "Nope.")
-    THANKS = ("Thanks. Bye.", "Ok, thanks.", "Fine, thanks.")
-    NUDGE = ("Well?", "And?", "So?")
-    WAIT = ("Do it.", "Go on.", "Make the change.")
-
-    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
-        super().__init__(task, seed, patience)
-        self.told_all = False
-
-    def _fact(self, key: str) -> str:
-        return f"{key.replace('_', ' ')} {self.task.hidden_facts[key]}."
-
-    def _answer(self, asked: list[str]) -> list[str]:
-        if asked and not self.told_all:              # the first question gets everything it knows
-            self.told_all = True
-            return [self._fact(k) for k in self.task.hidden_facts]
-        return super()._answer(asked)
-
-
-class ChattyUser(AsksBackFirst, OneFactAReply, ScriptedUser):
-    """Persona "chatty" (training): every message carries a detail that has nothing to do with the request; asked
-    for several facts, it gives one, the first asked (OneFactAReply); it meets the first request to confirm with a
-    question back (AsksBackFirst)."""
-
-    GREET = ("Hi hi! ", "Hello there, hope your day is going well! ", "Oh hello! ")
-    YES = ("Yes, please go ahead with that.", "Yes! That's exactly it, go ahead.", "Yes, that's the one, thanks.")
-    NO = ("No no, that's not it.", "No, hold on, that's not what I meant.")
-    THANKS = ("Wonderful, thank you so much, have a lovely day!", "Brilliant, thanks, that's everything from me!")
-    NUDGE = ("So, can we get this sorted today?", "What would you need from me for that?")
-    WAIT = ("Lovely, please go ahead and make the change then.", "Great, please do it now.")
-    BACK = ("Oh, quick question first: will I get an email about this?", "Before that: is this handled by you or a "
-            "different team?", "One thing first: will it show up on my account right away?")
-    # never a word the gold agent reads as a yes (yes, sure, correct, proceed, go ahead), nor a fact keyword's value
-    ASIDES = ("My cat just walked across the keyboard, sorry.", "I'm typing this on the bus, so bear with me.",
-              "It's been raining here all week.", "My neighbour is drilling again, it's so loud.",
-              "I had the best coffee this morning.", "My sister says hi, she's reading over my shoulder.")
-
-    def first_message(self) -> str:
-        return f"{super().first_message()} {self.rng.choice(self.ASIDES)}"
-
-    def reply(self, messages: list[dict]) -> str:
-        said = super().reply(messages)
-        return said if STOP in said else f"{said} {self.rng.choice(self.ASIDES)}"
-
-
-class CarelessUser(ScriptedUser):
-    """Persona "careless" (training): the first fact with a digit that it gives has one digit wrong, and its next
-    message corrects it ("Sorry, I mistyped my order id: it is #W123, not #W124."), whatever the agent said in
-    between: an agent that already used the wrong value has to use the right one instead."""
-
-    def __init__(self, task, seed: int = 0, patience: int = PATIENCE):
-        super().__init__(task, seed, patience)
-        self.mistyped, self.correction = False, ""
-
-    def _fact(self, key: str) -> str:
-        value = str(self.task.hidden_facts[key])
-        digits = [i for i, c in enumerate(value) if c.isdigit()]
-        if self.mistyped or not digits:
-            return super()._fact(key)
-        self.mistyped, i = True, digits[-1]           # the last digit, one up: same length, so never the right value
-        wrong = value[:i] + str((int(value[i]) + 1) % 10) + value[i + 1:]
-        self.correction = f"Sorry, I mistyped my {key.replace('_', ' ')}: it is {value}, not {wrong}."
-        return f"My {key.replace('_', ' ')} is {wrong}."
-
-    def reply(self, messages: list[dict]) -> str:
-        owed, self.correction = self.correction, ""   # a correction made in the reply before this one
-        said = super().reply(messages)
-        return f"{said} {owed}" if owed and STOP not in said else said
-
-
-class LiteralUser(ScriptedUser):
-    """Persona "literal" (held out): formal words; it gives a fact only when the agent asks for it by its own name
-    ("order id", "payment method", "email"), not by another word the other personas accept ("which order", "card");
-    asked otherwise, it asks what exactly is needed. It says yes only to a confirmation that names everything
-    (ScriptedUser's rule) and meets any other with a bare no: it never says which value was missing or wrong."""
-
-    GREET = ("Good afternoon. ", "Good day. ", "Hello. ")
-    YES = ("Yes. Please proceed.", "Yes, that is what I requested.", "Yes, you may go ahead.")
-    NO = ("No. That is not what I requested.", "No. Please state the change exactly.")
-    THANKS = ("Thank you for your assistance.", "Thank you. That concludes my request.")
-    NUDGE = ("Please tell me exactly which details you require.", "Which details do you require?")
-    WAIT = ("Please carry out the change now.", "Kindly make the change.")
-
-    def _answer(self, asked: list[str]) -> list[str]:
-        return [self._fact(k) for k in asked if k in self._by_name]
-
-    def reply(self, messages: list[dict]) -> str:
-        said = [visible_text(m["content"]).lower() for m in messages if m["role"] == "assistant"]
-        # the facts the agent's last message names by their own name; _answer keeps only those
-        self._by_name = [k for k in self.task.hidden_facts if said and re.search(r"\b" + k.replace("_", " "), said[-1])]
-        return super().reply(messages)
-
-    def _confirm(self, text: str) -> list[str]:
-        return super()._confirm(text)[:1]             # the yes, or the no without its corrections
-
-
-class Persona(NamedTuple):
-    """One row of the persona table: the class that plays it, its split, and its rules in words (docs/personas.md)."""
-    cls: type
-    split: str       # "train": sft.py and rl.py may use it (scripted:train draws among them); "held-out": eval only
-    reveals: str
-    confirms: str
-    speaks: str
-
-
-# THE persona table (--user scripted:NAME; plain "scripted" is "default"). docs/personas.md is this table
-# (persona_table(); tests/test_personas.py checks they agree). A persona is a ScriptedUser subclass and a row here.
-PERSONAS = {
-    "default": Persona(ScriptedUser, "train", "every fact asked for, each when the agent uses a word for it",
-                       "yes only to a request naming every value of the change (none wrong); else no and the right "
-                       "values", "plain; the task's own opening"),
-    "terse": Persona(TerseUser, "train", "all its facts at once, at the first question", "as default",
-                     "terse: no greeting, bare values, one-word answers"),
-    "chatty": Persona(ChattyUser, "train", "one fact a reply, the first asked", "a question back first; asked "
-                      "again, as default", "chatty: an irrelevant detail in every message"),
-    "careless": Persona(CarelessUser, "train", "as default, but the first fact with a digit comes with one digit "
-                        "wrong, corrected in its next message", "as default", "plain, then an apology"),
-    "curious": Persona(CuriousUser, "held-out", "opens without the ids; one fact a reply, the last asked",
-                       "a question back first; asked again, as default", "other words for everything"),
-    "literal": Persona(LiteralUser, "held-out", "only when asked by the fact's own name (\"order id\", not "
-                       "\"which order\")", "yes only to a request naming every value; else a bare no, no hint",
-                       "formal"),
-}
-MIXES = {"train": "train", "heldout": "held-out"}   # scripted:train / scripted:heldout: one of that split per conversation
+        if facts:
+            return " ".join(facts)
+        nudge = [self.rng.choice(self.words.nudge)]
+        if self.rng.random() < 0.5:                     # half the time it repeats its request
+            nudge.append(self.opening)
+        return " ".join(nudge)
 
 
 def persona_table() -> str:
-    """PERSONAS as the markdown table of docs/personas.md."""
-    rows = [f"| `{name}` | {p.split} | {p.reveals} | {p.confirms} | {p.speaks} |" for name, p in PERSONAS.items()]
-    return "\n".join(["| persona | split | reveals facts | confirms | speaks |", "|---|---|---|---|---|", *rows]) + "\n"
+    """PERSONAS as the markdown table of docs/personas.md: a row a persona, its value on each axis, held-out values
+    in bold."""
+    def show(b, axis):
+        value = getattr(b, axis)
+        return f"**{value}**" if AXES[axis][value].split != "train" else value
+    rows = [f"| `{name}` | {split_of(b)} | " + " | ".join(show(b, a) for a in Behaviour._fields) + " |"
+            for name, b in PERSONAS.items()]
+    return "\n".join(["| persona | split | " + " | ".join(Behaviour._fields) + " |",
+                      "|---|---|" + "---|" * len(Behaviour._fields), *rows]) + "\n"
+
+
+def axes_table() -> str:
+    """AXES as the markdown table of docs/personas.md: a row a value, its split and its rule."""
+    rows = [f"| {axis} | `{v}` | {val.split} | {val.says} |" for axis, values in AXES.items()
+            for v, val in values.items()]
+    return "\n".join(["| axis | value | split | the user |", "|---|---|---|---|", *rows]) + "\n"
 
 
 def personas_of(arg: str) -> list[str]:
     """The persona names a scripted spec's ARG stands for: "" -> default, train / heldout -> that split's
     personas, A+B -> those (an unknown name is kept, for check_user to report)."""
     if arg in MIXES:
-        return [n for n, p in PERSONAS.items() if p.split == MIXES[arg]]
+        return [n for n, b in PERSONAS.items() if split_of(b) == MIXES[arg]]
     return [n for n in (arg or "default").split("+")]
 
 
@@ -371,6 +402,31 @@ def persona(arg: str, seed: int) -> str:
     """The persona of one conversation with a scripted spec's ARG: its one name, or one drawn by seed from a mix."""
     names = personas_of(arg)
     return names[0] if len(names) == 1 else random.Random(f"persona|{seed}").choice(names)
+
+
+def parse_row(arg: str) -> Behaviour | str:
+    """A row written out, "axis=value/axis=value" (the axes not named: default's) -> the Behaviour, or what is wrong
+    with it in one line."""
+    row = PERSONAS["default"]._asdict()
+    for pair in arg.split("/"):
+        axis, _, value = pair.partition("=")
+        if axis not in AXES:
+            return f"unknown axis {axis!r} in {arg!r}; axes: {', '.join(AXES)}"
+        if value not in AXES[axis]:
+            return f"unknown value {value!r} of {axis}; use one of {', '.join(AXES[axis])}"
+        row[axis] = value
+    return Behaviour(**row)
+
+
+def scripted_user(task, seed: int, arg: str, **kw) -> ScriptedUser:
+    """The scripted user of one conversation: a named persona (ARG names one, or a mix one is drawn from by seed),
+    a row written out (ARG "axis=value/..."), or a row drawn by seed from the training population."""
+    if arg == "population":
+        return ScriptedUser(task, seed, random.Random(f"population|{seed}").choice(population()), "population")
+    if "=" in arg:
+        return ScriptedUser(task, seed, parse_row(arg), arg)
+    name = persona(arg, seed)
+    return ScriptedUser(task, seed, PERSONAS[name], name)
 
 
 class NoUser(User):
@@ -644,12 +700,13 @@ def ask_users(calls: list, workers: int) -> list:
     """Call each of calls (a user writing its next message), all at once up to `workers` when workers > 1: an
     LLM user waits on the network, and a round at paper scale asks 256 of them, so the round should wait on its
     slowest user, not on a queue (--user-workers, default 256). workers 1: one after another, in order (a
-    scripted user: the same tokens every run). -> the messages in order, an exception in place of a message that
-    failed (after the client's retries)."""
+    scripted user: the same tokens every run). -> the messages in order, a UserSimulatorError in place of a message
+    that failed (an LLM user, after the client's retries). Any other exception is a bug of ours (a scripted user's, a
+    check's) and stops the run with its traceback: it is never a left-out rollout."""
     def call(fn):
         try:
             return fn()
-        except Exception as e:                           # handed back: the caller decides what it ends
+        except UserSimulatorError as e:                  # the outside world's: handed back, the caller leaves it out
             return e
     if workers <= 1 or len(calls) <= 1:
         return [call(fn) for fn in calls]
@@ -664,16 +721,12 @@ class UserKind(NamedTuple):
     help: str
 
 
-def scripted_user(task, seed: int, arg: str, **kw) -> ScriptedUser:
-    """The scripted user of one conversation: its persona's (ARG names one, or a mix one is drawn from by seed)."""
-    return PERSONAS[persona(arg, seed)].cls(task, seed)
-
-
 # THE table of user kinds (--user KIND or KIND:ARG): make_user builds from it, and common.check_args and --help read
 # it, so a user added here is a valid --user everywhere.
 USER_KINDS = {
-    "scripted": UserKind(scripted_user, "[PERSONA|train|heldout|A+B]", "rule-based and seeded (PERSONAS; plain: "
-                         "default; train: a training persona drawn per conversation)"),
+    "scripted": UserKind(scripted_user, "[PERSONA|train|heldout|A+B|population|axis=value/...]",
+                         "rule-based and seeded (PERSONAS, AXES; plain: default; train: a training persona drawn per "
+                         "conversation; population: a row of training values drawn per conversation)"),
     "none": UserKind(NoUser.build, "", "no user: the whole instruction up front"),
     "local": UserKind(LocalUser.build, "", "the policy's base model plays it"),
     "openai": UserKind(OpenAIUser.build, "MODEL", "an OpenAI-compatible server's model"),
@@ -698,15 +751,25 @@ def check_user(spec: str, training: bool = False) -> str | None:
         return f"{spec!r} is not a user spec; use {kind}" + (f":{takes}" if takes else "")
     if kind != "scripted":
         return None
+    if arg == "population":
+        return None                                 # training values only, by construction (population())
+    if "=" in arg:
+        row = parse_row(arg)
+        if isinstance(row, str):
+            return row
+        if training and held_out_values(row):
+            return f"{held_out_values(row)[0]} is a held-out behaviour: no stage trains on it (users.AXES)"
+        return None
     names = personas_of(arg)
     unknown = [n for n in names if n not in PERSONAS]
     if unknown:
         return f"unknown persona {unknown[0]!r}; use scripted:NAME with NAME one of {', '.join(PERSONAS)} " \
-               f"(or {', '.join(MIXES)})"
-    held_out = [n for n in names if PERSONAS[n].split != "train"]
+               f"(or {', '.join(MIXES)}, population, or a row axis=value/...)"
+    held_out = [n for n in names if split_of(PERSONAS[n]) != "train"]
     if training and held_out:
-        return f"persona {held_out[0]!r} is held out: no stage trains on it (users.PERSONAS); use scripted:train " \
-               f"or one of {', '.join(n for n, p in PERSONAS.items() if p.split == 'train')}"
+        return f"persona {held_out[0]!r} is held out ({held_out_values(PERSONAS[held_out[0]])[0]} is a behaviour no " \
+               f"stage trains on: users.AXES); use scripted:population, scripted:train or one of " \
+               f"{', '.join(n for n, b in PERSONAS.items() if split_of(b) == 'train')}"
     if not names:
         return f"{spec!r} leaves no training persona: users.PERSONAS marks none {MIXES.get(arg, arg)}" if training \
             else f"{spec!r} names no persona: users.PERSONAS marks none {MIXES.get(arg, arg)}"
@@ -732,7 +795,7 @@ def user_report(trajs, wall_s=None, price=(0.0, 0.0)) -> dict:
     (USD per million prompt and completion tokens, --user-price); seconds waited on users (each rollout holds its
     share of each round's wait, so they add up to wall time) and their share of wall_s; flags: the check's, per
     reason; left_out: the rollouts left out, per reason (a check reason: the user broke it; user_failed: its
-    simulator failed; env_failed)."""
+    simulator failed)."""
     usage, flags = Counter(), Counter()
     for t in trajs:
         usage.update(t.stats.get("user_usage", {}))
@@ -758,9 +821,9 @@ def user_line(r: dict) -> str:
 
 def stop_if_many_left_out(trajs, limit: float, where: str):
     """Stop with one line when more than `limit` (--max-sim-failures) of trajs were left out: their user simulator
-    failed or broke the check, or their env failed. So many 0s would be the infrastructure's, not the agent's."""
+    failed or broke the check. So many 0s would be the infrastructure's, not the agent's."""
     left = [t for t in trajs if t.failed]
     if len(left) > limit * len(trajs):
         raise SystemExit(f"{where}: {len(left)} of {len(trajs)} rollouts left out (their user simulator failed or "
-                         f"broke the check, or their env failed), more than --max-sim-failures {limit}: "
+                         f"broke the check), more than --max-sim-failures {limit}: "
                          f"{left[0].stats.get('error')}")

@@ -12,6 +12,8 @@
 # resume from their checkpoints, eval.py from each agent and user it finished).
 # Run from the repository root:   bash scripts/steps.sh        (PYTHON=.venv/bin/python OUT=runs/steps K=4)
 #   the second attempt: K=8 EVAL_STEPS="1 4 8" SEED=41 EVAL=eval2 bash scripts/steps.sh (steps 5-8 resume the run)
+#   the third attempt's arms (scripts/arms.sh): USER_SPEC=scripted:population passes --user to sft.py and rl.py,
+#   EVAL_EVERY=4 passes --eval-every (the curve at steps 0, 4, 8), EVAL=none stops after the steps
 #   SMOKE=1 bash scripts/steps.sh: every command in its --smoke form, K=2, OUT a temp dir; MODEL=DIR passes --model DIR
 #   to each (tests/test_steps.py: a tiny model)
 set -euo pipefail
@@ -22,16 +24,19 @@ else
   OUT=${OUT:-runs/steps} K=${K:-4} SMOKE= N_TASKS=20
 fi
 MODEL=${MODEL:+--model $MODEL} SEED=${SEED:-31} EVAL=${EVAL:-eval} EVAL_STEPS=${EVAL_STEPS:-"1 $K"}
+ARM="${USER_SPEC:+--user $USER_SPEC}" CURVE="${EVAL_EVERY:+--eval-every $EVAL_EVERY}"
 done_() { [ -f "$1/adapter_config.json" ] && echo "skip: $1 exists"; }
 timed() { /usr/bin/time -v -o "$1" "${@:2}"; }      # $1: where the wall time and peak memory go
 
 mkdir -p "$OUT/rl"
-done_ "$OUT/sft/adapter" || timed "$OUT/time-sft.txt" "$PY" sft.py $SMOKE $MODEL --out "$OUT/sft"
+done_ "$OUT/sft/adapter" || timed "$OUT/time-sft.txt" "$PY" sft.py $SMOKE $MODEL $ARM --out "$OUT/sft"
 for k in $(seq 1 "$K"); do
   done_ "$OUT/step-$k" && continue
-  timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE $MODEL --init "$OUT/sft/adapter" --steps "$k" --out "$OUT/rl"
+  timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE $MODEL $ARM $CURVE --init "$OUT/sft/adapter" --steps "$k" \
+      --out "$OUT/rl"
   cp -r "$OUT/rl/adapter" "$OUT/step-$k.tmp" && mv "$OUT/step-$k.tmp" "$OUT/step-$k"
 done
+[ "$EVAL" = none ] && exit 0
 agents="$OUT/sft/adapter"
 for k in $(printf '%s\n' $EVAL_STEPS | sort -nu); do agents="$agents,$OUT/step-$k"; done
 "$PY" eval.py $SMOKE $MODEL --agents "$agents" --user scripted:curious,scripted:literal,scripted:train \

@@ -42,6 +42,27 @@ def step_records(out, K):
     return steps
 
 
+def print_steps(steps):
+    """A line a step (reward, groups, kl, clip, seconds, the process's time and peak, the curve where it ran), and
+    under it the reward and asking rate per training user (rl.py's by_user: the named personas, or a population's
+    behaviour values), so a slide under one kind of user shows step by step."""
+    for k, m in sorted(steps.items()):
+        curve = ", ".join(f"{v:.3f} {u}" for u, v in m.get("heldout_by_user", {}).items())
+        if k == 0:
+            print(f"  step 0: curve {curve}")
+            continue
+        process = (f"process {m['process_s']:.0f} s, peak {m['peak_gib']:.1f} GiB" if "process_s" in m
+                   else "no time record")                  # /usr/bin/time -v's, where the run kept one
+        print(f"  step {k}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of {m['groups_drawn']}, "
+              f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update "
+              f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; {process}" + (f"; curve {curve}" if curve else ""))
+        by = m.get("by_user") or {}                        # the named personas, or a population's values
+        if by:
+            named = {u: v for u, v in by.items() if "=" not in u} or by
+            print("    by user, reward / asked before writing (n): " + ", ".join(
+                f"{u} {v['reward']:.2f} / {num(v['asked'], '.2f')} ({v['n']})" for u, v in named.items()))
+
+
 def main(out, K, evaluation="eval"):
     out = out.rstrip("/")
     path, args = (os.path.join(out, evaluation, f) for f in ("results.json", "args.json"))
@@ -59,16 +80,7 @@ def main(out, K, evaluation="eval"):
 
     steps = step_records(out, K)
     print("the run, a step a line (the curve: greedy pass^1 on 8 held-out tasks under each user set):")
-    for k, m in sorted(steps.items()):
-        curve = ", ".join(f"{v:.3f} {u}" for u, v in m.get("heldout_by_user", {}).items())
-        if k == 0:
-            print(f"  step 0: curve {curve}")
-            continue
-        process = (f"process {m['process_s']:.0f} s, peak {m['peak_gib']:.1f} GiB" if "process_s" in m
-                   else "no time record")                  # /usr/bin/time -v's, where the run kept one
-        print(f"  step {k}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of {m['groups_drawn']}, "
-              f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update "
-              f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; {process}; curve {curve}")
+    print_steps(steps)
     for pool, users in POOLS.items():
         print(f"\n{pool}, 40 tasks of seed {seed} (each task's episodes pooled):")
         print("| agent | " + " | ".join(METRICS.values()) + " | - SFT, pass^1 [95% CI] |\n|---|"

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import common
 import envs
 import eval as ev
 import rollout
@@ -147,7 +148,7 @@ def test_asked_before_writing_reads_the_order_of_request_and_write():
     look = {"role": "assistant", "content": "<tool_call>...</tool_call>", "tool_calls": call("get_order_details")}
     write = {"role": "assistant", "content": "<tool_call>...</tool_call>", "tool_calls": call("cancel_pending_order")}
     yes, user = {"role": "user", "content": "Yes."}, {"role": "user", "content": "Cancel #W1, please."}
-    asked = lambda *msgs, domain="retail": ev.asked_before_writing(SimpleNamespace(domain=domain, messages=[user, *msgs]))  # noqa: E731
+    asked = lambda *msgs, domain="retail": common.asked_before_writing(SimpleNamespace(domain=domain, messages=[user, *msgs]))  # noqa: E731
     assert asked(look, ask, yes, write) is True
     assert asked(look, write, ask, yes) is False                   # the request came after the write
     assert asked(look, dict(write, content=ask["content"] + " <tool_call>...</tool_call>")) is False   # same turn: no answer yet

@@ -86,15 +86,15 @@ def test_the_curious_persona_withholds_ids_answers_one_fact_and_asks_back():
     task = next(t for t in ours.make_tasks("retail", "test", 8) if t.scenario == "cancel_order")
     u = users.make_user("scripted:curious", task, seed=2)
     first = u.first_message()
-    assert isinstance(u, users.CuriousUser) and "cancel" in first
+    assert u.behaviour.opens == "request" and "cancel" in first
     assert not any(v in first for v in task.hidden_facts.values())            # the default opening names them
     assert task.hidden_facts["order_id"] in task.opening
     say = lambda text: [{"role": "assistant", "content": text}]                 # noqa: E731
     r = u.reply(say("Please give me your email address, the order id and the reason."))
     assert task.hidden_facts["reason"] in r and task.hidden_facts["email"] not in r   # one fact: the last asked
     confirm = oracle.confirmation(task, task.gold_actions[-1])
-    assert u.reply(say(confirm)) in users.CuriousUser.BACK
-    assert u.reply(say(confirm)) in users.CuriousUser.YES
+    assert u.reply(say(confirm)) in users.WORDS["other"].back
+    assert u.reply(say(confirm)) in users.WORDS["other"].yes
     assert users.STOP not in u.reply(say("One moment."))
     assert users.STOP in u.reply(say(oracle.report(task)))
     assert users.make_user("scripted", task, seed=2).first_message() != first

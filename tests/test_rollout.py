@@ -15,7 +15,7 @@ import rollout
 import users
 from rollout import ChatFormat, TextAgent, parse_tool_calls, run_episodes
 from sampler import ModelAgent
-from users import STOP, NoUser, ScriptedUser, make_user
+from users import STOP, WORDS, NoUser, ScriptedUser, make_user
 
 
 def tasks_by_scenario(domain, n=14):
@@ -160,7 +160,7 @@ def test_scripted_user_reveals_only_what_is_asked_and_yes_needs_the_reason():
     assert r.lower().startswith(("yes", "correct")) and STOP not in r
     for _ in range(2):                                   # confirmed, but the change is not reported yet
         r = u.reply(say("Let me check one more thing."))
-        assert STOP not in r and r in ScriptedUser.WAIT
+        assert STOP not in r and r in WORDS["plain"].wait
     assert STOP in u.reply(say(f"Done: order {oid} is cancelled."))
 
 

@@ -42,3 +42,44 @@ def test_the_preregistered_evaluation_runs_in_smoke_form_and_the_report_prints_t
     rows = [line.split(" | ")[1:] for line in table.splitlines() if line.startswith(("| SFT", "| RL"))]
     assert len(rows) == 3 and all(re.match(r"[\d.]+ / [\d.]+ \(\w+ \d+", cell) for row in rows for cell in row)
     assert os.path.exists(out / "eval" / "steps.png")
+
+
+def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2x2_and_the_bar(tmp_path):
+    """scripts/arms.sh in --smoke form, every arm's adapters already there (the cold start and K = 2 steps of a tiny
+    Qwen3, all one fresh adapter): one evaluation of the four agents under the held-out personas, the training ones
+    and the population, then scripts/arms_report.py's 2x2, the effect under each held-out persona alone, and the bar,
+    each paired difference exactly 0 (four copies of one adapter on the same tasks and user seeds)."""
+    import rollout
+    from tiny_qwen3 import save_tiny_qwen3
+    out, tiny = tmp_path / "arms", save_tiny_qwen3(str(tmp_path / "tiny"))
+    model, _ = rollout.load_model(tiny)
+    torch.manual_seed(0)
+    adapter = out / "broad" / "sft" / "adapter"
+    rollout.add_lora(model, r=16, alpha=32).save_pretrained(adapter)
+    for where in ("broad/step-1", "broad/step-2", "narrow/sft/adapter", "narrow/step-1", "narrow/step-2"):
+        shutil.copytree(adapter, out / where)
+    for arm in ("broad", "narrow"):
+        (out / arm / "rl").mkdir()
+        step = dict(step=1, reward=0.5, groups_varied=1, groups_drawn=2, kl=0.001, clip_frac=0.0, rollout_s=1.0,
+                    train_s=1.0, s_per_step=2.0, by_user={"gives=one_first": dict(n=4, reward=0.5, asked=1.0)})
+        (out / arm / "rl" / "metrics.jsonl").write_text(json.dumps(step) + "\n")
+    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable, "MODEL": tiny, "K": "2"}
+    run = subprocess.run(["bash", "scripts/arms.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(run.stdout[-4000:], run.stderr[-2000:])
+    assert run.returncode == 0
+    agents = json.load(open(out / "eval" / "results.json"))["agents"]
+    users = ("scripted:curious", "scripted:literal", "scripted:train", "scripted:population")
+    assert set(agents) == {f"{out}/{a} @ {u}" for a in ("broad/sft/adapter", "broad/step-2", "narrow/sft/adapter",
+                                                         "narrow/step-2") for u in users}
+    said = run.stdout
+    assert "by user, reward / asked before writing (n): gives=one_first 0.50 / 1.00 (4)" in said
+    for pool in ("held-out personas", "training personas", "training population", "held-out: curious",
+                 "held-out: literal"):
+        table = said[said.index(f"\n{pool}"):]
+        rows = [line for line in table.splitlines()[2:8] if line.startswith("| ")]   # the header, then four rows
+        assert [r.split(" ")[1] for r in rows] == ["training", "narrow", "broad", "broad", "broad"], rows
+        assert all(row.endswith("+0.000 [+0.000, +0.000] (0 won, 0 lost, p = 1.000) |") for row in rows[1:]), rows
+    bar = said[said.index("the bar"):]
+    assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
+    assert "training personas: +0.000 [+0.000, +0.000]" in bar and "(not below 0): MET" in bar
+    assert os.path.exists(out / "eval" / "arms.png")

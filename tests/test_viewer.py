@@ -153,7 +153,7 @@ def test_rl_page_holds_every_token_and_each_groups_advantages_or_why_it_was_filt
     b = [made("B", 1, g, 1.0, [D, D, D]) for g in range(4)]                                     # no variance
     c = [made("C", 2, g, 0.0, [D], failed="user") for g in range(4)]                            # all lost
     d = [made("D", 0, g, r, [D]) for g, r in enumerate([1.0, 0.0, 1.0, 0.0])]                  # over the cap
-    d[0].failed = "env"                                  # left out of its group, which still has variance
+    d[0].failed = "user"                                 # left out of its group, which still has variance
     drawn = [a, b, [], [x for x in d if not x.failed]]
     write_step(tmp_path, [a + b + c, d], drawn, [a], left=c + d[:1])
     rec = dict(records(tmp_path))
@@ -176,7 +176,7 @@ def test_rl_page_holds_every_token_and_each_groups_advantages_or_why_it_was_filt
         "D airline · add_bags · easy filtered: over --tasks cap"]
     assert "advantages +1.00 -1.00 -1.00 +1.00" in groups[0]
     assert all("left out: its user simulator failed" in ep["summary"] for ep in page.episodes[8:12])
-    assert "left out: its env simulator failed" in page.episodes[12]["summary"]
+    assert "left out: its user simulator failed" in page.episodes[12]["summary"]
     assert [("off" in ep["classes"]) for ep in page.episodes[8:]] == [bool(t.failed) for t in c + d]   # grey
     assert html.count(SCRIPT) == 0 and html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 16   # STOP, diffs
 
