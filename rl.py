@@ -416,7 +416,7 @@ def by_user(trajs) -> dict:
         for key in keys:
             groups.setdefault(key, []).append(t)
     out = {}
-    for key, mine in groups.items():
+    for key, mine in sorted(groups.items(), key=lambda kv: ("=" in kv[0], kv[0])):   # the personas, then the values
         asked = [a for a in map(common.asked_before_writing, mine) if a is not None]
         out[key] = dict(n=len(mine), reward=sum(t.reward for t in mine) / len(mine),
                         asked=sum(asked) / len(asked) if asked else None)
