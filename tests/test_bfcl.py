@@ -1,10 +1,10 @@
-"""BFCL-v3 multi-turn as a world (envs/bfcl_domains.py): BFCL's checker scores its ground truth 1 and corruptions 0,
+"""BFCL-v3 multi-turn as a world (envs/benchmarks/bfcl_domains.py): BFCL's checker scores its ground truth 1 and corruptions 0,
 calls become BFCL's python strings safely, and the gold agent passes all four categories through run_episodes
 (BFCL's questions as the user, miss_func's held-back functions arriving in their turn); a silent agent and one
 that loops past BFCL's step limit score 0."""
 import pytest
 
-from envs import bfcl_domains as bfcl
+from envs.benchmarks import bfcl_domains as bfcl
 import eval as ev
 import rollout
 import envs

@@ -15,15 +15,15 @@ TOP = {   # every visible top-level entry, and what it holds
     "rollout.py": "the loop: run_episodes, chat format, model loading", "users.py": "the simulated users",
     "common.py": "what the stages share: flags, presets, checkpoints, training passes",
     "sampler": "the policy as a sampler: plain.py to read, fast.py the same tokens faster",
-    "envs": "the worlds: the table, ours (procedural), the benchmark adapters",
+    "envs": "the worlds: the table and ours (procedural) at its top, the benchmark adapters in benchmarks/",
     "kernels": "the log-prob kernel and the benchmarks' harness",
     "scripts": "scale-out, viewer, stage benchmarks, the GPU check",
     "docs": "results and reference pages", "tests": "pytest",
 }
-PACKAGES = ("envs", "sampler", "kernels")
+PACKAGES = ("envs", "envs.benchmarks", "sampler", "kernels")
 MODULES = sorted([p[:-3] for p in os.listdir(ROOT) if p.endswith(".py")] + ["scripts"] +
                  [d if f == "__init__.py" else f"{d}.{f[:-3]}" for d in PACKAGES
-                  for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")])
+                  for f in os.listdir(os.path.join(ROOT, *d.split("."))) if f.endswith(".py")])
 STAGES = {"sft", "rl", "eval"}                 # scripts/rl_trl.py, the scale-out stage, lives with the scripts
 WORLD_SIDE = {"envs.databases", "envs.ours", "users", "envs.oracle"}   # ours; a benchmark module sits between it
                                                                      # and the table (envs/__init__.py)
@@ -91,7 +91,7 @@ def test_no_module_imports_another_in_a_circle_lazy_imports_included():
 def test_the_world_side_imports_no_benchmark_and_nothing_of_the_model_side():
     import envs
     benchmarks = {m for _, *modules in envs.WORLDS.values() for m in modules} - WORLD_SIDE
-    assert benchmarks == {"envs.tau2_domains", "envs.acebench_domains", "envs.bfcl_domains"}
+    assert benchmarks == {f"envs.benchmarks.{b}_domains" for b in ("tau2", "acebench", "bfcl")}
     for m in WORLD_SIDE:
         assert imports_of(m) <= WORLD_SIDE, (m, imports_of(m))
     for m in benchmarks:                      # a benchmark module uses the world side, never the model side

