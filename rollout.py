@@ -640,16 +640,15 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
         sampled = sum(conv.traj.stats["sampled_tokens"] for conv in convs)
         bar.set_postfix_str(f"round {rounds}, {sampled} tokens sampled, {sampled / (time.time() - t0):.1f} tok/s")
     bar.close()
-    for env, u, traj in convs:                           # reward on what the user could read (Conversation fields)
+    for env, u, traj in convs:                           # scored once, on what the user could read
         said = [visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]
-        traj.reward = float(env.reward(said, stop_reason=traj.stop_reason))
-        traj.diff = env.diff()                           # what that reward found wrong: reward() leaves it on env
+        score = env.score(said, stop_reason=traj.stop_reason)
+        traj.reward, traj.diff = float(score.reward), score.wrong
         traj.stats["user_usage"] = dict(u.usage)
-        # the end state alone, however the episode ended (the binary reward without τ²'s cut-short rule): eval.py's
-        # "correct end state", which tells a right write the agent never reported from a wrong one. After diff():
-        # this reward() overwrites what the first left on env
-        traj.stats["correct_state"] = float(env.reward(said) >= 1)
-        traj.stats["extras"] = env.extras() if hasattr(env, "extras") else {}   # e.g. ACEBench's process score
+        # the end state alone, however the episode ended (without τ²'s cut-short rule): eval.py's "correct end
+        # state", which tells a right write the agent never reported from a wrong one
+        traj.stats["correct_state"] = float(score.correct_state)
+        traj.stats["extras"] = dict(score.extras)        # e.g. ACEBench's process score
     return [conv.traj for conv in convs]
 
 

@@ -10,7 +10,7 @@ A world is a family of domains behind one module (imported only when one of its 
 
 What the loop asks of a domain's world (module-level functions of the same names):
   make_tasks(domain, split, n, tiers, seed)   tasks of a split ("train" / "test"); tiers None = all
-  make_env(task, shaped)                      a fresh environment for one rollout: step(), reward(), diff()
+  make_env(task, shaped)                      a fresh environment for one rollout: step(), score()
   make_user(spec, task, seed, env, **kw)      the simulated user of one rollout (users.User); the loop reaches it
                                               through one UserFactory, built once from the --user flags
   oracle_reply(task, messages)                the gold agent's next message (cold-start data, tests)

@@ -2,9 +2,9 @@
 
 What: two procedurally generated domains (a database, tools over it with OpenAI JSON schemas, a short policy) and
 tasks from 12 scenarios in three tiers: a brief for a simulated user (persona, request, facts revealed only when
-asked) plus an oracle's gold actions. Env(task) gives every rollout a fresh database; reward() is 1.0 iff the final
-database equals the gold replay's AND the agent said every required output AND the conversation ended rather than
-being cut off at the turn cap (τ²'s rule); diff() explains a 0.0 field by field.
+asked) plus an oracle's gold actions. Env(task) gives every rollout a fresh database; score() is computed once at the
+end: reward 1.0 iff the final database equals the gold replay's AND the agent said every required output AND the
+conversation ended rather than being cut off at the turn cap (τ²'s rule), and what was wrong, field by field.
 
 Run:   python -m envs.ours         # tour: a task, tools, policy, oracle replays, prompt tokens
 Test:  pytest tests/test_envs.py
@@ -19,6 +19,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from envs.databases import AIRPORTS, CABINS, DATES, INSURANCE_FEE, TODAY, address, load_db, money
 
@@ -585,6 +586,15 @@ def _diff(want, got, path, out):
         out.append(f"{path}: {_short(got, 70)} (gold: {_short(want, 70)})")
 
 
+class Score(NamedTuple):
+    """What an episode earned, computed once from its final state and what the user could read (Env.score): every
+    world's env returns one, and nothing is left on the env for a second call."""
+    reward: float          # the training signal: 1.0 or 0.0 (shaped: partial credit for a failure)
+    correct_state: bool    # the end state (and the outputs) right, however the episode ended: τ²'s cut-short rule
+    wrong: str             # what was wrong, a line each; "" if nothing (the viewer's and eval's diff)
+    extras: dict = {}      # a benchmark's other scores of the episode (ACEBench's process score)
+
+
 def cut_short(stop_reason) -> str:
     """Why an episode scores 0 however its database looks, as τ² rules: it did not end itself (stop_reason
     max_turns, context_limit or error); "" if it did (in ENDED, or None: scored outside a rollout)."""
@@ -596,7 +606,7 @@ class Env:
         self.task, self.shaped = task, shaped
         self.db = load_db(task.domain, task.split, task.seed)
         self.policy, self.tools = POLICIES[task.domain], tool_schemas(task.domain)
-        self.writes, self.missing_outputs, self.cut_short, self._gold_db = [], [], "", None
+        self.writes, self._gold_db = [], None
 
     def step(self, name, arguments):
         """Run one tool call; return its observation. Never raises; a refused call changes nothing."""
@@ -627,31 +637,32 @@ class Env:
             self._gold_db = gold.db
         return self._gold_db
 
-    def reward(self, assistant_texts, stop_reason=None):
-        """1.0 iff DB hash == gold hash, every required output was said (case-insensitive substring), and the
-        conversation ended (stop_reason None or in ENDED): as in τ², an episode cut off at the turn cap or
-        the context limit scores 0, so an agent that makes the write but never reports it done, re-asking
-        until the cap, does not pass. shaped=True: a failure still earns the fraction of gold write calls
-        made exactly (as τ²'s wrapper does; so a cut-off episode that made every gold write earns 1.0)."""
+    def score(self, assistant_texts, stop_reason=None) -> Score:
+        """Reward 1.0 iff DB hash == gold hash, every required output was said (case-insensitive substring), and
+        the conversation ended (stop_reason None or in ENDED): as in τ², an episode cut off at the turn cap or the
+        context limit scores 0, so an agent that makes the write but never reports it done, re-asking until the
+        cap, does not pass. shaped=True: a failure still earns the fraction of gold write calls made exactly (as
+        τ²'s wrapper does; so a cut-off episode that made every gold write earns 1.0). wrong: how it was cut short,
+        the fields where the DB differs from the gold DB, the outputs missing."""
         said = "\n".join(t for t in (assistant_texts or []) if isinstance(t, str)).lower()
-        self.missing_outputs = [o for o in self.task.required_outputs if o.lower() not in said]
-        self.cut_short = cut_short(stop_reason)
-        passed = not self.missing_outputs and not self.cut_short and db_hash(self.db) == db_hash(self.gold_db())
-        if passed or not self.shaped:
-            return float(passed)
-        key = lambda a: (a.name, json.dumps(a.arguments, sort_keys=True))   # noqa: E731
+        missing = [o for o in self.task.required_outputs if o.lower() not in said]
+        why = cut_short(stop_reason)
+        fields = []
+        _diff(self.gold_db(), self.db, "", fields)
+        if len(fields) > 12:
+            fields = fields[:12] + [f"... and {len(fields) - 12} more fields"]
+        wrong = ([why] if why else []) + fields + [f"missing required output: {o!r}" for o in missing]
+        correct = not missing and db_hash(self.db) == db_hash(self.gold_db())
+        passed = correct and not why
+        return Score(float(passed) if passed or not self.shaped else self._partial(), correct, "\n".join(wrong))
+
+    def _partial(self) -> float:
+        """The fraction of gold write calls made exactly (shaped reward)."""
+        def key(a):
+            return a.name, json.dumps(a.arguments, sort_keys=True)
         gold = [key(a) for a in self.task.gold_actions if a.name in WRITE_TOOLS[self.task.domain]]
         done = [key(a) for a in self.writes]
         return sum(min(gold.count(k), done.count(k)) for k in set(gold)) / len(gold) if gold else 0.0
-
-    def diff(self):
-        """How the last reward() ended (if cut short), the fields where the DB differs from the gold DB, and the
-        outputs it found missing; "" if none."""
-        lines = []
-        _diff(self.gold_db(), self.db, "", lines)
-        lines = lines[:12] + [f"... and {len(lines) - 12} more fields"] * (len(lines) > 12)
-        missing = [f"missing required output: {o!r}" for o in self.missing_outputs]
-        return "\n".join([self.cut_short] * bool(self.cut_short) + lines + missing)
 
 
 # ----------------------------------------------------------------------------- tour: python -m envs.ours
@@ -670,8 +681,8 @@ def main():
                 obs = env.step(a.name, a.arguments)
                 if i < 2:                             # the first two episodes in full, then one line per scenario
                     print(f"  {a.name}({json.dumps(a.arguments)[:80]})\n    -> {obs[:100]}...")
-            print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle: reward {env.reward(t.required_outputs)}; "
-                  f"doing nothing: {Env(t).reward([])}")
+            print(f"  {t.id} {t.scenario:24s} {t.tier:6s} oracle: reward {env.score(t.required_outputs).reward}; "
+                  f"doing nothing: {Env(t).score([]).reward}")
         size = len(POLICIES[domain]) + len(json.dumps(tool_schemas(domain)))
         print(f"\npolicy + tool schemas: {size} characters (`python -m sampler.bench` runs a few episodes)")
 

@@ -51,7 +51,7 @@ class GoldAgent(rollout.TextAgent):
 
 
 def process(traj) -> float:
-    """The process score run_episodes copied from env.extras() into the trajectory's stats."""
+    """The process score run_episodes copied from the score's extras into the trajectory's stats."""
     return traj.stats["extras"]["process"]
 
 
@@ -107,10 +107,12 @@ def test_doing_nothing_scores_zero_everywhere():
     for d in ace.DOMAINS:
         for task in ace.make_tasks(d, "test", 10**6):
             env = ace.make_env(task)
-            assert env.reward([], stop_reason="user_stop") == 0.0 and env.extras() == {"process": 0.0}
-            assert "wrong number of class" in env.diff()
+            score = env.score([], stop_reason="user_stop")
+            assert score.reward == 0.0 and score.extras == {"process": 0.0}
+            assert "wrong number of class" in score.wrong
             env.ran = True                        # as if a call had run: the initial state against ground_truth
-            assert env.reward([], stop_reason="user_stop") == 0.0 and "wrong" in env.diff()
+            score = env.score([], stop_reason="user_stop")
+            assert score.reward == 0.0 and "wrong" in score.wrong
 
 
 def test_a_wrong_argument_in_the_last_call_scores_zero():
@@ -126,8 +128,9 @@ def test_a_wrong_argument_in_the_last_call_scores_zero():
             key = [k for k, v in args.items() if isinstance(v, str)][-1]
             env = replay(task, calls[:-1] + [(name, {**args, key: args[key] + " (wrong)"})])
             steps = len(task.gold_paths[0])
-            assert env.reward([], stop_reason="user_stop") == 0.0 and env.diff(), task.id
-            assert env.extras()["process"] == pytest.approx((steps - 1) / steps), task.id
+            score = env.score([], stop_reason="user_stop")
+            assert score.reward == 0.0 and score.wrong, task.id
+            assert score.extras["process"] == pytest.approx((steps - 1) / steps), task.id
             n += 1
     assert n == 50 - len(GOLD_FAILS)
 
@@ -135,23 +138,24 @@ def test_a_wrong_argument_in_the_last_call_scores_zero():
 def test_reward_cut_short_shaped_and_why():
     task = ace.make_tasks(MT, "test", 1)[0]
     env = replay(task)
-    assert env.reward(["Done."], stop_reason="user_stop") == 1.0 and env.diff() == ""
-    assert env.reward(["Done."], stop_reason="max_turns") == 0.0 and "max_turns" in env.diff()   # τ²'s rule
-    assert env.extras() == {"process": 1.0}                       # ACEBench's own verdict: the state is right
+    assert env.score(["Done."], stop_reason="user_stop") == (1.0, True, "", {"process": 1.0})
+    score = env.score(["Done."], stop_reason="max_turns")        # τ²'s rule; ACEBench's own verdict: the state is right
+    assert score.reward == 0.0 and score.correct_state and "max_turns" in score.wrong
+    assert score.extras == {"process": 1.0}
     half = ace.AceEnv(task, shaped=True)
     for name, args in [c for step in task.gold_paths[0][:2] for c in step]:
         half.step(name, args)
-    assert half.reward([], stop_reason="user_stop") == pytest.approx(2 / len(task.gold_paths[0]))
+    assert half.score([], stop_reason="user_stop").reward == pytest.approx(2 / len(task.gold_paths[0]))
 
 
 def test_fresh_sandboxes_do_not_leak_between_envs():
     task = ace.make_tasks(MT, "test", 1)[0]
     a, b = replay(task), ace.make_env(task)
-    assert a.reward([]) == 1.0
+    assert a.score([]).reward == 1.0
     b.ran = True                                          # b's sandbox as built: nothing of a's calls
     state = {next(iter(s)): s for s in b.state()}
     assert state["BaseApi"]["BaseApi"]["wifi"] is False and "7" not in state["MessageApi"]["MessageApi"]["inbox"]
-    assert b.reward([]) == 0.0 and replay(task).reward([]) == 1.0   # and a third replays as the first did
+    assert b.score([]).reward == 0.0 and replay(task).score([]).reward == 1.0   # and a third replays as the first did
     assert a.sandbox["MessageApi"] is not b.sandbox["MessageApi"]
 
 

@@ -53,11 +53,13 @@ def test_env_records_each_call_per_turn_on_bfcls_file_system(base):
                             ["mv(source='final_report.pdf',destination='temp')"]]]
     assert "moved to 'temp/final_report.pdf'" in out[2]
     assert env.step("rm -rf", {}).startswith("Error") and len(env.decoded[0]) == 3      # refused, not run
-    assert env.reward(stop_reason="max_turns") == 0.0 and "cut short" in env.diff()
+    score = env.score(stop_reason="max_turns")
+    assert score.reward == 0.0 and "cut short" in score.wrong
     looping = bfcl.make_env(base[0])
     for _ in range(bfcl.MAX_STEPS + 1):                       # BFCL force-terminates a turn of too many calls
         looping.step("pwd", {})
-    assert looping.reward(stop_reason="user_stop") == 0.0 and f"more than {bfcl.MAX_STEPS} calls" in looping.diff()
+    score = looping.score(stop_reason="user_stop")
+    assert score.reward == 0.0 and not score.correct_state and f"more than {bfcl.MAX_STEPS} calls" in score.wrong
 
 
 def test_gold_agent_passes_all_four_categories_through_run_episodes(tok):

@@ -34,8 +34,8 @@ def test_gold_replay_scores_one(task):
         obs = env.step(a.name, a.arguments)
         assert not obs.startswith("Error"), (a, obs)
     said = [f"Done. For your records: {', '.join(task.required_outputs)}."]
-    assert env.reward(said) == 1.0, env.diff()
-    assert env.diff() == ""
+    score = env.score(said)
+    assert score == (1.0, True, "", {}), score.wrong
     assert [w.name for w in env.writes] == [w.name for w in gold_writes(task)]
 
 
@@ -45,23 +45,24 @@ def test_a_solved_episode_cut_off_at_the_cap_scores_zero(task):
     itself (the turn cap, the context limit, an error); the user's stop, the agent's or a transfer ends it."""
     env, said = replay(task, task.gold_actions), [f"Done: {', '.join(task.required_outputs)}."]
     for stop in ours.ENDED:
-        assert env.reward(said, stop_reason=stop) == 1.0 and env.diff() == ""
-    for stop in ("max_turns", "context_limit", "error"):
-        assert env.reward(said, stop_reason=stop) == 0.0
-        assert env.diff() == f"ended by {stop}: τ² scores a conversation cut short 0"
+        assert env.score(said, stop_reason=stop) == (1.0, True, "", {})
+    for stop in ("max_turns", "context_limit", "error"):       # the end state is right all the same
+        assert env.score(said, stop_reason=stop) == (0.0, True, f"ended by {stop}: τ² scores a conversation cut "
+                                                                "short 0", {})
 
 
 @pytest.mark.parametrize("task", ONE_EACH, ids=lambda t: t.scenario)
 def test_doing_nothing(task):
     env = Env(task)
     if gold_writes(task):                            # the DB must change: saying things is not enough
-        assert env.reward([" ".join(task.required_outputs)]) == 0.0
-        assert env.diff() != "" and "missing required output" not in env.diff()
+        score = env.score([" ".join(task.required_outputs)])
+        assert score.reward == 0.0 and not score.correct_state
+        assert score.wrong != "" and "missing required output" not in score.wrong
     else:                                            # refusal / lookup: correct only if the outputs were said
-        assert env.reward([]) == 0.0
-        assert env.diff().startswith("missing required output")
-        assert env.reward([f"Here is what I found: {' '.join(task.required_outputs)}."]) == 1.0
-        assert env.diff() == ""
+        score = env.score([])
+        assert score.reward == 0.0 and not score.correct_state
+        assert score.wrong.startswith("missing required output")
+        assert env.score([f"Here is what I found: {' '.join(task.required_outputs)}."]) == (1.0, True, "", {})
 
 
 def _another(table, pred):
@@ -128,21 +129,22 @@ def wrong_run(task):
 @pytest.mark.parametrize("task", ONE_EACH, ids=lambda t: t.scenario)
 def test_one_wrong_argument_scores_zero_and_diff_names_the_field(task):
     env, said, field = wrong_run(task)
-    assert env.reward(said) == 0.0
-    assert field in env.diff(), env.diff()
-    print(f"{task.scenario}: {env.diff().splitlines()[0]}")
+    score = env.score(said)
+    assert score.reward == 0.0 and field in score.wrong, score.wrong
+    print(f"{task.scenario}: {score.wrong.splitlines()[0]}")
 
 
 def test_shaped_reward_gives_partial_credit():
     task = next(t for t in TASKS if t.scenario == "move_and_cancel")
     first_write = next(i for i, a in enumerate(task.gold_actions) if a.name in ours.WRITE_TOOLS["retail"])
     env = replay(task, task.gold_actions[:first_write + 1])
-    assert env.reward([]) == 0.0
+    assert env.score([]).reward == 0.0
     shaped = Env(task, shaped=True)
     for a in task.gold_actions[:first_write + 1]:
         shaped.step(a.name, a.arguments)
-    assert shaped.reward([]) == 0.5
-    assert "cancelled" in shaped.diff() and "address" not in shaped.diff()
+    score = shaped.score([])
+    assert score.reward == 0.5 and not score.correct_state
+    assert "cancelled" in score.wrong and "address" not in score.wrong
 
 
 def test_envs_share_no_state():
@@ -317,3 +319,24 @@ def test_policy_is_compact_and_tools_are_valid_schemas():
     assert env.step("calculate", {"expression": "2*(3.5+1)"}) == "9.0"
     assert env.step("calculate", {"expression": "__import__('os')"}).startswith("Error:")
     assert env.step("calculate", {"expression": "9**9**9"}).startswith("Error:")
+
+
+def test_an_episode_is_scored_once_and_the_env_keeps_nothing_of_it(monkeypatch):
+    """run_episodes calls env.score once an episode; score() is a function of the final state and the agent's
+    texts: the env holds the same fields after it, and a second call returns the same Score."""
+    import envs
+    import rollout
+    calls, real = [], Env.score
+
+    def counted(env, *a, **kw):
+        before = dict(vars(env))
+        score = real(env, *a, **kw)
+        assert vars(env).keys() == before.keys() and real(env, *a, **kw) == score
+        calls.append(env.task.id)
+        return score
+    monkeypatch.setattr(Env, "score", counted)
+    tok = rollout.load_tokenizer()
+    tasks = ours.make_tasks("retail", "test", 3, ["medium"])
+    trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=2, user=envs.UserFactory("scripted"),
+                                 progress=False, max_turns=14, max_context=8192)
+    assert sorted(calls) == sorted(t.task_id for t in trajs) and all(t.reward == 1.0 for t in trajs)

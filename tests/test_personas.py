@@ -259,7 +259,7 @@ def gold_episode(task, spec, seed, cap=CAP):
             stop = "user_stop"
             break
     said = [users.visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
-    return env.reward(said, stop_reason=stop), turns, stop, guessed
+    return env.score(said, stop_reason=stop).reward, turns, stop, guessed
 
 
 def test_gold_episode_is_run_episodes_on_messages():

@@ -113,7 +113,7 @@ def test_the_reward_trl_sees_is_env_reward(one_step):
         for m in said:
             if m["tool_calls"]:
                 env.step(m["tool_calls"][0]["name"], m["tool_calls"][0]["arguments"])
-        assert env.reward([visible_text(m["content"]) for m in said], stop_reason=t.stop_reason) == t.reward
+        assert env.score([visible_text(m["content"]) for m in said], stop_reason=t.stop_reason).reward == t.reward
 
 
 def test_generate_turn_is_one_sampled_turn_a_row_cut_after_eos(one_step):

@@ -70,7 +70,7 @@ def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(do
             sum(m.role == "assistant" for m in e.trajectory if getattr(m, "tool_calls", None))
     assert (user_calls > 0) == (domain == "tau2-telecom")
     t0 = time.time()
-    nothing = [envs.make_env(t).reward([], stop_reason="user_stop") for t in tasks]
+    nothing = [envs.make_env(t).score([], stop_reason="user_stop").reward for t in tasks]
     print(f"\n{domain}: gold {sum(t.reward == 1.0 for t in trajs)}/{len(tasks)} ({gold_s:.0f} s, {user_calls} user "
           f"tool calls), doing nothing {sum(r == 1.0 for r in nothing)}/{len(tasks)} ({time.time() - t0:.0f} s)")
     if n is None:
@@ -82,18 +82,18 @@ def test_gold_oracle_scores_one_and_doing_nothing_only_on_the_no_change_tasks(do
 def test_reward_is_taus_product_and_explains_itself():
     task = envs.make_tasks("tau2-retail", "test", 1)[0]
     env = envs.make_env(task)
-    assert env.reward([], stop_reason="user_stop") == 0.0
-    assert "database differs" in env.diff()
+    score = env.score([], stop_reason="user_stop")
+    assert score.reward == 0.0 and not score.correct_state and "database differs" in score.wrong
     for a in task.gold_actions:
         assert not env.step(a.name, a.arguments).startswith("Error")
     info = task.tau2.evaluation_criteria.communicate_info
-    assert env.reward(["Done. " + "; ".join(info)], stop_reason="user_stop") == 1.0 and env.diff() == ""
-    assert env.reward(["Done. " + "; ".join(info)], stop_reason="max_turns") == 0.0      # τ²: cut short scores 0
-    assert "max_turns" in env.diff()
+    assert env.score(["Done. " + "; ".join(info)], stop_reason="user_stop") == (1.0, True, "", {})
+    score = env.score(["Done. " + "; ".join(info)], stop_reason="max_turns")      # τ²: cut short scores 0
+    assert score.reward == 0.0 and score.correct_state and "max_turns" in score.wrong
     assert env.step("no_such_tool", {}).startswith("Error") and env.step("get_user_details", {"x": 1}).startswith("Error")
     shaped = envs.make_env(task, shaped=True)
     shaped.step(task.gold_actions[0].name, task.gold_actions[0].arguments)
-    assert shaped.reward([], stop_reason="user_stop") == pytest.approx(1 / len(task.gold_actions))
+    assert shaped.score([], stop_reason="user_stop").reward == pytest.approx(1 / len(task.gold_actions))
 
 
 def test_policy_and_tools_come_from_tau2():

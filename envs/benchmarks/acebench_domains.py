@@ -8,7 +8,7 @@ ACEBench's own code does the work, imported at run time from $ACEBENCH_DIR (defa
 its sandbox classes (MessageApi, ReminderApi, FoodPlatform, Travel, ...) run the agent's calls, and its
 model_eval/checker.py::agent_checker scores the final sandbox state against the case's ground_truth.
   AceEnv     fresh sandbox instances per rollout, loaded from the case's initial_config as ACEBench's execution
-             role loads them; reward() = ACEBench's end-to-end accuracy for the case; extras()["process"] = its
+             role loads them; score(): reward = ACEBench's end-to-end accuracy for the case, extras["process"] = its
              process accuracy (the fraction of the gold mile_stone path the agent's calls made, in order)
   AceUser    our OpenAI-compatible LLM user with ACEBench's English user prompt; it ends on "finish conversation"
   oracle     the gold agent replays the case's mile_stone path, one call a turn; the oracle user answers with
@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass, field
 
 import users
-from envs.ours import cut_short
+from envs.ours import Score, cut_short
 
 DOMAINS = ("acebench-multi-turn", "acebench-multi-step")
 PAPER = {"Qwen3-8B": 39.2, "MUA-RL-8B": 53.3}   # the paper's ACEBench "Agent" column for the 8B models
@@ -232,14 +232,13 @@ def _plain(x):
 
 
 class AceEnv:
-    """One rollout's sandbox. step() -> the call's result as text; reward() -> ACEBench's end-to-end check."""
+    """One rollout's sandbox. step() -> the call's result as text; score() -> ACEBench's end-to-end check."""
 
     def __init__(self, task: AceTask, shaped: bool = False):
         self.task, self.shaped = task, shaped
         self.policy, self.tools = policy(task), [tool_schema(f) for f in task.case["function"]]
         self.sandbox = new_sandbox(task)
         self.calls, self.ran = [], False   # every call made, as (name, arguments); did one run without raising
-        self.checks, self.process = [], 0.0
 
     def step(self, name, arguments) -> str:
         """Run one call on every sandbox instance that has that public method. Never raises."""
@@ -262,16 +261,20 @@ class AceEnv:
         return [{n: _plain({a: v for a, v in vars(i).items() if a in SAVED[n]})} for n, i in self.sandbox.items()] \
             if self.ran else []
 
-    def reward(self, assistant_texts=None, stop_reason: str | None = None) -> float:
-        """1.0 iff ACEBench's end-to-end check passes and the episode ended itself (τ²'s rule: cut short scores
-        0). The agent's texts are not read: ACEBench checks the state only. shaped: the process score instead."""
-        self.checks = self.state_errors()
-        self.process = 1.0 if not self.checks else process_score(self.calls, self.task.gold_paths)   # as ACEBench
-        reward = float(not self.checks)
+    def score(self, assistant_texts=None, stop_reason: str | None = None) -> Score:
+        """Reward 1.0 iff ACEBench's end-to-end check passes and the episode ended itself (τ²'s rule: cut short
+        scores 0). The agent's texts are not read: ACEBench checks the state only. shaped: the process score
+        instead. extras: ACEBench's process score; wrong: the checker's errors."""
+        checks = self.state_errors()
+        process = 1.0 if not checks else process_score(self.calls, self.task.gold_paths)   # as ACEBench
+        reward = correct = float(not checks)
         if why := cut_short(stop_reason):
-            self.checks.insert(0, why)
+            checks.insert(0, why)
             reward = 0.0
-        return self.process if reward < 1.0 and self.shaped else reward
+        if len(checks) > 12:
+            checks = checks[:12] + [f"... and {len(checks) - 12} more"]
+        return Score(process if reward < 1.0 and self.shaped else reward, bool(correct), "\n".join(checks),
+                     {"process": process})
 
     def state_errors(self) -> list[str]:
         """ACEBench's agent eval of one case: as many recorded classes as ground_truth's, matched by name, then
@@ -287,12 +290,6 @@ class AceEnv:
                 {"valid": False, "error": [f"class {name} not in the sandbox"]}
             errors += [] if verdict["valid"] else verdict["error"]
         return errors
-
-    def diff(self) -> str:
-        return "\n".join(self.checks[:12] + [f"... and {len(self.checks) - 12} more"] * (len(self.checks) > 12))
-
-    def extras(self) -> dict:
-        return {"process": self.process}
 
 
 def process_score(calls: list, paths: list) -> float:

@@ -120,7 +120,7 @@ class BfclEnv:
         self.tools = tool_schemas(task.entry["function"])
         self.allowed = {f["name"] for f in task.entry["function"]}
         self.decoded, self.steps, self.over = [[]], 0, False
-        self.name, self.checked, self.verdict = f"mua_{os.getpid()}_{next(_RUN_IDS)}", None, None
+        self.name = f"mua_{os.getpid()}_{next(_RUN_IDS)}"
 
     def step(self, name, arguments) -> str:
         _, utils, *_ = _bfcl()
@@ -141,19 +141,17 @@ class BfclEnv:
         self.steps = 0
         self.allowed |= {f["name"] for f in functions}
 
-    def reward(self, assistant_texts=None, stop_reason: str | None = None) -> float:
-        if self.checked is None:                           # BFCL's checker runs once; the episode's calls are done
-            _forget(self.name)
-            self.checked = score(self.task.entry, self.decoded, self.task.truth)
+    def score(self, assistant_texts=None, stop_reason: str | None = None) -> ours.Score:
+        """BFCL's checker's verdict on the episode's calls, 0 when the episode was cut short (τ²'s rule) or a turn
+        made more than MAX_STEPS calls; wrong: the checker's error type."""
+        _forget(self.name)                                 # the episode's calls are done: free its instances
+        checked = score(self.task.entry, self.decoded, self.task.truth)
         verdict = ({"valid": False, "error_type": ours.cut_short(stop_reason)} if ours.cut_short(stop_reason)
                    else {"valid": False, "error_type": f"more than {MAX_STEPS} calls in a turn"} if self.over
-                   else self.checked)
-        if stop_reason is not None or self.verdict is None:      # diff() explains the episode's own reward
-            self.verdict = verdict
-        return float(verdict["valid"])
-
-    def diff(self) -> str:
-        return "" if self.verdict is None or self.verdict["valid"] else str(self.verdict.get("error_type", ""))
+                   else checked)
+        correct = bool(checked["valid"]) and not self.over
+        return ours.Score(float(verdict["valid"]), correct,
+                          "" if verdict["valid"] else str(verdict.get("error_type", "")))
 
 
 def make_env(task: BfclTask, shaped: bool = False) -> BfclEnv:

