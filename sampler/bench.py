@@ -96,7 +96,10 @@ class Profile:
 
     def report(self, total: float) -> str:
         s = self.s
-        own = s["attention"] * s["own sampled"] / s["attention sampled"] if s["attention sampled"] else 0.0
+        # the own tokens' share of the attention, estimated from every 10th call run again over them alone; on a
+        # busy machine a re-run can take longer than the call it repeats, so the share is capped at all of it
+        share = min(1.0, s["own sampled"] / s["attention sampled"]) if s["attention sampled"] else 0.0
+        own = s["attention"] * share
         rows = [("users, envs, chat format (outside the agent)", total - s["agent"]),
                 ("prefill forwards: the shared prefix, then each round's new user/tool turns", s["prefill"]),
                 ("decode: weight matmuls (every linear, the LM head's too)", s["weight matmuls"]),
