@@ -396,7 +396,7 @@ def _fsync_tree(path):
                 os.fsync(f.fileno())
 
 
-def save_checkpoint(out, step, model, optimizer, metrics, scheduler=None, keep=2):
+def save_checkpoint(out, step, model, optimizer, metrics, *, scheduler=None, keep=2):
     final = os.path.join(out, f"ckpt-{step:06d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -475,7 +475,7 @@ def resume(out, model, optimizer, scheduler=None) -> tuple[int, list[dict]]:
 # starting with their domain's system prompt. What follows cuts that shared prefix off and runs it once a pass, and
 # gives the per-token log-probs of the tokens that were sampled (kernels.masked_logprobs_chunked under the lm_head).
 
-def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, chunk=4096,
+def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, *, chunk=4096,
                       past_key_values=None):
     """out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where loss_mask[b, t] == 1, else 0. (B, T) fp32.
 
@@ -552,7 +552,7 @@ def shared_prefix_logprobs(model, micro: list, temperature=1.0, chunk=4096):
                   for k, v in kv]
         for j in run:
             b = micro[j]
-            yield j, sequence_logprobs(model, b.ids, b.attn, b.mask, temperature, chunk,
+            yield j, sequence_logprobs(model, b.ids, b.attn, b.mask, temperature, chunk=chunk,
                                        past_key_values=_cache(leaves, len(b.ids)))
         if kv and kv[0][0].requires_grad:
             torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])

@@ -9,7 +9,7 @@ What it does
      a benchmark world prints its comparison with the paper (envs.reports).
   2. Paired comparisons of every two agents on the same tasks and user seeds (pair_up).
   3. Beside pass^1, what the agent did (behaviour, METRICS; docs/reference.md "Metrics"): the correct end state however the
-     episode ended, finished (not cut off at the turn cap, which scores 0 as in τ²-bench: ours.Env.reward),
+     episode ended, finished (not cut off at the turn cap, which scores 0 as in τ²-bench: ours.Env.score),
      asked before writing, the withheld facts it asked for, turns; per agent and domain, and any of them can be
      the paired comparison's metric (--paired-metric). Under several users (--user scripted,none) every agent
      meets each, and a grid of agents x users shows the metric: the 2 x 2 of trained with / without a user
@@ -223,7 +223,7 @@ def build_agent(spec: str, args):
 
 # ----------------------------------------------------------------------------- pass^k evaluation
 
-def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("scripted"), seed: int = 0, *,
+def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("scripted"), *, seed: int = 0,
              max_turns: int, max_context: int, recheck: int = 0, n_boot: int = 1000, progress: bool = True,
              user_workers: int = users.USER_WORKERS, price=(0.0, 0.0), max_sim_failures: float = 1.0) -> dict:
     """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each, with the
@@ -600,7 +600,7 @@ def main(argv=None):
             make_user = common.user_factory(args, *(rollout.load_model(args.model or rollout.DEFAULT_MODEL)   # local:
                                                     if user == "local" else ()), spec=user)   # the base model plays it
             print(f"== {label}: {len(tasks)} tasks x {args.trials} trials, user {user}")
-            tau = evaluate(agent, tok, tasks, args.trials, make_user, args.seed, max_turns=args.max_turns,
+            tau = evaluate(agent, tok, tasks, args.trials, make_user, seed=args.seed, max_turns=args.max_turns,
                            max_context=args.max_context, recheck=args.recheck, n_boot=args.n_boot,
                            user_workers=args.user_workers, price=args.user_price,
                            max_sim_failures=args.max_sim_failures)

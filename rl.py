@@ -53,6 +53,7 @@ TASK_POOL = 1000     # train tasks generated per domain to draw from
 # A step's seeds from --seed: seed * SEED_STRIDE + step (its task order, its mini-batches), and seed * SEED_STRIDE +
 # step * 101 + draw (a draw's episodes): a resumed run draws, samples and splits as the first run did.
 SEED_STRIDE = 1_000_003
+ROLLOUTS = "step-{step:06d}-draw-{index}{trials}.jsonl"   # a draw's rollouts in <out>/rollouts (trials: --screen's)
 RESUME_FREE = {"steps", "ckpt_every", "user_workers", "user_base_url", "kv_budget", "max_sim_failures", "user_timeout"}
 
 
@@ -78,7 +79,7 @@ def add_grpo_args(p: common.Parser):
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank from --init base")
     g.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha from --init base")
     g.add_argument("--reward", default="binary", choices=["binary", "shaped"], help="ablation: shaped, partial "
-                   "credit for correct writes (Env.reward)")
+                   "credit for correct writes (Env.score)")
     g.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean"], help="token-mean: every "
                    "sampled token weighs the same (DAPO, the official code) [dapo]; seq-mean: every rollout [grpo]")
     g.add_argument("--micro-batch", type=int, help="sequences per forward/backward [per_device_train_batch_size]")
@@ -143,16 +144,16 @@ def parse_args(argv=None):
 
 # ---------------------------------------------------------------- 1-2. sample, reward, keep the groups that teach
 
-def sample_groups(draw, pools, step, args):
-    """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws; draw(tasks, step, index) ->
-    the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed or broke
+def sample_groups(make_groups, pools, step, args):
+    """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws; make_groups(tasks, step=,
+    index=) -> the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed or broke
     the check is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
     rng = random.Random(args.seed * SEED_STRIDE + step)      # its own: a resumed run redraws the same tasks
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]   # the domains alternate
     drawn, varied, left = [], [], []
     for index in range(args.max_draws):
-        groups = draw(order[index * args.draw:(index + 1) * args.draw], step, index)
+        groups = make_groups(order[index * args.draw:(index + 1) * args.draw], step=step, index=index)
         failed = [t for g in groups for t in g if t.failed]   # an LLM user failed or broke the check
         if failed:
             users.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
@@ -164,23 +165,23 @@ def sample_groups(draw, pools, step, args):
     return drawn, varied[:args.tasks], left
 
 
-def sample_draw(agent, tok, args, make_user, tasks, step, index, trials=None) -> list[list]:
+def sample_draw(agent, tok, args, make_user, tasks, *, step, index, trials=None) -> list[list]:
     """A draw's conversations: trials [a, b) of every task (None: the whole group), a group a task, with a fresh env
-    and simulated user each, saved to <out>/rollouts (viewer.py shows them)."""
+    and simulated user each, saved to <out>/rollouts/ROLLOUTS (viewer.py shows them)."""
     a, b = trials or (0, args.group_size)
     trajs = rollout.run_episodes(agent, tok, tasks, group_size=b - a, first_trial=a, user=make_user,
                                  max_turns=args.max_turns, max_context=args.max_context,
                                  seed=args.seed * SEED_STRIDE + step * 101 + index, shaped=args.reward == "shaped",
                                  user_workers=args.user_workers)
-    name = f"step-{step + 1:06d}-draw-{index}" + (f"-trials-{a}-{b}" if trials else "") + ".jsonl"
+    name = ROLLOUTS.format(step=step + 1, index=index, trials=f"-trials-{a}-{b}" if trials else "")
     rollout.save_trajectories(os.path.join(args.out, "rollouts", name), trajs)
     return [trajs[s:s + b - a] for s in range(0, len(trajs), b - a)]
 
 
-def saved_draw(args, tasks, step, index, trials=None) -> list[list]:
+def saved_draw(args, tasks, *, step, index, trials=None) -> list[list]:
     """--rollouts: sample_draw's groups as another run saved them, read back (update rules compared on identical
     rollouts)."""
-    name = f"step-{step + 1:06d}-draw-{index}" + (f"-trials-{trials[0]}-{trials[1]}" if trials else "") + ".jsonl"
+    name = ROLLOUTS.format(step=step + 1, index=index, trials=f"-trials-{trials[0]}-{trials[1]}" if trials else "")
     if not os.path.isfile(path := os.path.join(args.rollouts, name)):
         raise SystemExit(f"--rollouts {args.rollouts}: no {os.path.basename(path)}; that run drew fewer steps or "
                          "batches, or screened differently (--screen)")
@@ -188,14 +189,14 @@ def saved_draw(args, tasks, step, index, trials=None) -> list[list]:
     return [trajs[s:s + size] for s in range(0, len(trajs), size)]
 
 
-def screened(draw, args, tasks, step, index) -> list[list]:
+def screened(make_groups, args, tasks, *, step, index) -> list[list]:
     """--screen K, an ablation of the draw: trials 0..K-1 of every task, then K..G-1 only of the tasks where one of
     the first K got a reward other than the batch's most common one (the others stay groups of K that teach nothing)."""
     K, G = args.screen, args.group_size
-    first = draw(tasks, step, index, trials=(0, K))
+    first = make_groups(tasks, step=step, index=index, trials=(0, K))
     seen = Counter(t.reward for g in first for t in g if not t.failed).most_common(1)
     go = [i for i, g in enumerate(first) if any(not t.failed and t.reward != seen[0][0] for t in g)]
-    rest = draw([tasks[i] for i in go], step, index, trials=(K, G)) if go else []
+    rest = make_groups([tasks[i] for i in go], step=step, index=index, trials=(K, G)) if go else []
     for i, more in zip(go, rest):
         first[i] = first[i] + more
     return first
@@ -232,7 +233,7 @@ def mini_batches(trajs, args, pad_id, seed, device) -> list[list]:
     return minis
 
 
-def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False):
+def grpo_update(model, optimizer, trajs, adv, args, *, pad_id, seed, at_start=False):
     """One GRPO update on the kept groups' rollouts (advantages adv, (N,)): an AdamW step on each of mini_batches'
     random subsets. The log-probs of the sampled tokens, (b, T) a micro-batch, come from plain_logprobs
     (--logprob-pass fast: common.shared_prefix_logprobs, each domain's system prompt once a pass, the same numbers
@@ -256,8 +257,8 @@ def grpo_update(model, optimizer, trajs, adv, args, pad_id, seed, at_start=False
             # logprobs yields micro-batch i's logp with grad on; its backward must run before the next one comes (the
             # fast pass adds up the shared prefix's gradients across a domain's micro-batches, then passes them on)
             for i, logp in logprobs(model, mini, args.temperature):
-                loss, counts = grpo_loss(logp, old[i], ref[i], adv[mini[i].rows], mini[i].mask, args.clip,
-                                         args.kl_coef, args.loss_agg, n_tokens, n_seqs)
+                loss, counts = grpo_loss(logp, old[i], ref[i], adv[mini[i].rows], mini[i].mask, clip=args.clip,
+                                         beta=args.kl_coef, agg=args.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs)
                 loss.backward()
                 stats = {k: v + counts.get(k, 0) for k, v in stats.items()}
         stats["grad_norm"] += float(clip_grad_norm_(optimizer.param_groups[0]["params"], args.max_grad_norm))
@@ -277,7 +278,7 @@ def plain_logprobs(model, micro, temperature):
         yield j, F.pad(logp, (1, 0))                                      # row's fp32 (T - 1, V) at a time, not b
 
 
-def grpo_loss(logp, logp_old, logp_ref, adv, mask, clip, beta, agg, n_tokens=None, n_seqs=None):
+def grpo_loss(logp, logp_old, logp_ref, adv, mask, *, clip, beta, agg, n_tokens=None, n_seqs=None):
     """PPO-clipped GRPO loss with k3 KL to the reference over masked tokens. logp (pi's log-probs of the sampled
     tokens), logp_old (pi_old's), logp_ref (pi_ref's), mask: (B, T); adv: (B,). agg: "token-mean", the sum over masked
     tokens / n_tokens (a long rollout weighs more: DAPO, the official code); "seq-mean", each rollout's token mean
@@ -331,27 +332,27 @@ def main(argv=None):
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
                                args.thinking, args.sample_weights, max_context=args.max_context)
     make_user, tracker = common.user_factory(args, model, tok), common.tracker(args)   # users; --report-to
-    draw = functools.partial(sample_draw, agent, tok, args, make_user)    # G conversations a task, sampled now
+    make_groups = functools.partial(sample_draw, agent, tok, args, make_user)   # G conversations a task, sampled now
     if args.rollouts:                             # ablation: another run's rollouts, read back instead
-        draw = functools.partial(saved_draw, args)
+        make_groups = functools.partial(saved_draw, args)
     if args.screen:                               # ablation: a group's rest only where its first K rollouts differ
-        draw = functools.partial(screened, draw, args)
+        make_groups = functools.partial(screened, make_groups, args)
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
         log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args)), tracker)
     for step in range(start, args.steps):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
-        drawn, kept, left = sample_groups(draw, pools, step, args)
+        drawn, kept, left = sample_groups(make_groups, pools, step, args)
         agent.forget()                            # its keys/values go stale with the update: not kept beside it
         sampled_s = time.time() - t0
         stats = None
         if kept:                                  # 3. advantages within each kept group
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
-            stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, tok.pad_token_id,
+            stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, pad_id=tok.pad_token_id,
                                 seed=args.seed * SEED_STRIDE + step, at_start=not optimizer.state)
-        m = step_metrics(step, drawn, kept, left, stats, dict(rollout_s=None if args.rollouts else sampled_s,
-                                                              train_s=time.time() - t0 - sampled_s), args.user_price)
+        seconds = dict(rollout_s=None if args.rollouts else sampled_s, train_s=time.time() - t0 - sampled_s)
+        m = step_metrics(step, drawn, kept, left, stats, seconds=seconds, price=args.user_price)
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args))
         log(args, metrics, m | dict(s_per_step=time.time() - t0), tracker)
@@ -382,13 +383,17 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
 
 # ---------------------------------------------------------------- output: the log line, metrics.jsonl, the plot
 
-def step_metrics(step, drawn, kept, left, stats, seconds, price) -> dict:
+def step_metrics(step, drawn, kept, left, stats, *, seconds, price) -> dict:
     """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (stats: the
     update's sums, None when no group was kept), and what its users did and cost (users.user_report; their waiting's share
     of the step's sampling and update time). Entropy is the mean -log p of the sampled tokens."""
     every = [t for g in drawn for t in g]
-    rewards, sampled = torch.tensor([t.reward for t in every]), sum(sum(t.loss_mask) for t in every)
-    per = lambda k: stats[k] / max(stats["tokens"], 1) if stats else None                  # noqa: E731
+    rewards = torch.tensor([t.reward for t in every])
+    sampled = sum(sum(t.loss_mask) for t in every)
+    rollout_s = seconds["rollout_s"]                     # None: the rollouts were read back (--rollouts), not timed
+
+    def per(k):                                          # an update's sum, per trained token
+        return stats[k] / max(stats["tokens"], 1) if stats else None
     return dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
                 groups_drawn=len(drawn), groups_varied=sum(map(has_signal, drawn)),
                 signal_token_share=sum(sum(t.loss_mask) for g in drawn if has_signal(g) for t in g) / max(sampled, 1),
@@ -396,10 +401,9 @@ def step_metrics(step, drawn, kept, left, stats, seconds, price) -> dict:
                 grad_norm=stats["grad_norm"] / max(stats["updates"], 1) if stats else None,
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
                 train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
-                sim_failures=len(left), **seconds, tok_per_s=seconds["rollout_s"] and sampled / seconds["rollout_s"],
+                sim_failures=len(left), **seconds, tok_per_s=sampled / rollout_s if rollout_s else None,
                 by_user=by_user(every),
-                **users.user_report(every + left, seconds["rollout_s"] and seconds["rollout_s"] + seconds["train_s"],
-                                      price))
+                **users.user_report(every + left, rollout_s + seconds["train_s"] if rollout_s else None, price))
 
 
 def by_user(trajs) -> dict:

@@ -126,7 +126,7 @@ def load_adapter(model, path: str, trainable: bool = False):
         return PeftModel.from_pretrained(model, path, is_trainable=trainable)
 
 
-def load_policy(model, init: str, ref_dir: str, r: int, alpha: int, resuming: bool = False):
+def load_policy(model, init: str, ref_dir: str, r: int, alpha: int, *, resuming: bool = False):
     """RL's policy and its KL reference, both the policy RL starts from: init's adapter, trained as "default", and a
     frozen copy of it as "ref" beside it (LoRA weights are small; the base weights stay one copy), saved to ref_dir
     so that a resumed run starts from its own. init "base": a fresh LoRA and no "ref" (the reference is the base
@@ -334,7 +334,7 @@ class MicroBatch(NamedTuple):
     prefix: torch.Tensor | None = None
 
 
-def micro_batches(token_ids, loss_masks, size: int, pad_id: int, keys=None, shortest_first=False, max_len=None,
+def micro_batches(token_ids, loss_masks, size: int, pad_id: int, keys=None, *, shortest_first=False, max_len=None,
                   device=None, rows=None) -> list[MicroBatch]:
     """Sequences (each row's token ids and loss mask) -> micro-batches of `size` rows: a key's rows together (keys
     in first-seen order), rows as given or shortest first (less padding; a stable sort), each right-padded and cut at
@@ -406,7 +406,7 @@ class OpenAIAgent(TextAgent):
     <tool_call> format, and tool results become user turns wrapped in <tool_response> (as the
     Qwen/Hermes template renders them), so any endpoint works, with or without a tools API."""
 
-    def __init__(self, tokenizer, model: str, base_url=None, api_key=None, temperature: float = 0.0,
+    def __init__(self, tokenizer, model: str, base_url=None, api_key=None, *, temperature: float = 0.0,
                  max_tokens: int = 512):
         super().__init__(tokenizer)
         import openai
@@ -446,7 +446,7 @@ class Conversation(NamedTuple):
     traj: Trajectory
 
 
-def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_context, user_workers):
+def start_conversations(tasks, trials, user, *, seed, shaped, fmt, max_new, max_context, user_workers):
     """A fresh env and simulated user per rollout (each task's trials, task-major), and each conversation's prompt:
     the system prompt (policy + tools) and the user's opening. -> ([Conversation], how many users to ask at once)."""
     made = []   # the user's seed depends on (seed, task, trial), not on the batch: two runs pair up episode by episode
@@ -466,7 +466,7 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
         ids = fmt.prompt_ids(env.policy, opening, env.tools)    # messages[0] holds the tools as text; mask 0
         traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, ids, [0] * len(ids), [0.0] * len(ids),
                           [{"role": "system", "content": system}, {"role": "user", "content": opening}],
-                          stats=dict.fromkeys(COUNTS, 0) | {"user_flags": {}, "user_wait_s": waited} | user_of(u))
+                          stats=dict.fromkeys(COUNTS, 0) | {"user_flags": {}, "user_wait_s": waited} | u.describe())
         if bad or isinstance(first, Exception):    # no opening, no conversation: the simulator failed or broke
             traj.messages[1].update(checked(traj, first, bad))
         if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
@@ -479,13 +479,6 @@ def start_conversations(tasks, trials, user, seed, shaped, fmt, max_new, max_con
               f"answer that passes max_context {max_context}. They score 0; raise --max-context (up to the model's "
               "context) or use a model with a longer one.")
     return convs, workers
-
-
-def user_of(user) -> dict:
-    """Who a scripted user is, for the metrics by user (rl.py): its label (a persona's name, "population", a row
-    written out) and its value on each behaviour axis. Other users: nothing."""
-    behaviour = getattr(user, "behaviour", None)
-    return {"user": user.label, "behaviour": behaviour._asdict()} if behaviour else {}
 
 
 def agent_turn(conv, new_ids, new_lp, fmt, tokenizer) -> bool:
@@ -607,8 +600,9 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
     format (e.g. thinking on or off) is the agent's."""
     fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)
-    convs, workers = start_conversations(tasks, range(first_trial, first_trial + group_size), user, seed, shaped,
-                                         fmt, max_new, max_context, user_workers)
+    convs, workers = start_conversations(tasks, range(first_trial, first_trial + group_size), user, seed=seed,
+                                         shaped=shaped, fmt=fmt, max_new=max_new, max_context=max_context,
+                                         user_workers=user_workers)
     active = [c for c, conv in enumerate(convs) if not conv.traj.stop_reason]
     bar = tqdm(total=len(convs), desc="conversations", disable=not progress, leave=False,
                bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")

@@ -66,6 +66,11 @@ class User:
         left out); ###STOP### in it ends the episode."""
         raise NotImplementedError
 
+    def describe(self) -> dict:
+        """Who this user is, kept in each trajectory's stats for the metrics by user (rl.py's by_user): nothing,
+        but for a scripted user."""
+        return {}
+
 
 _ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"
                            r"is this correct|do you want|would you like me|ok to|okay to)\b", re.I)
@@ -270,6 +275,10 @@ class ScriptedUser(User):
         self.by_name = []             # gives by_name: the facts the agent's last message named by their own name
         self.asked_back = False       # confirms asks_back: it has asked its question back
         self.mistyped, self.correction = False, ""   # mistakes one_digit: done, and the correction still owed
+
+    def describe(self) -> dict:
+        """Its label (a persona's name, "population", a row written out) and its value on each axis."""
+        return {"user": self.label, "behaviour": self.behaviour._asdict()}
 
     def first_message(self) -> str:
         greet = self.rng.choice(self.words.greet)          # openings that already greet get no second hello
@@ -554,7 +563,7 @@ class OpenAIUser(LLMUser):
     def build(cls, task, seed: int, arg: str, **kw) -> "OpenAIUser":
         return cls(task, arg, **kw)                # arg: the server's model
 
-    def __init__(self, task, model, base_url=None, api_key=None, timeout=60.0, max_retries=6,
+    def __init__(self, task, model, *, base_url=None, api_key=None, timeout=60.0, max_retries=6,
                  temperature=0.0, max_tokens=256, check_retries=None):
         super().__init__(task)   # max_retries 6: the client's waits add up to 18-24 s, a server restart ridden out
         self.model, self.max_retries, self.check_retries = model, max_retries, check_retries

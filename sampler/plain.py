@@ -12,7 +12,7 @@ from rollout import ChatFormat
 
 
 @torch.no_grad()
-def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, end_id: int, generator=None):
+def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, end_id: int, *, generator=None):
     """One agent turn: feed the conversation so far, then sample one token at a time until end_id or
     max_new_tokens. -> (new token ids, the log-prob of each under softmax(logits / T))."""
     cache = DynamicCache()
@@ -34,7 +34,7 @@ class PlainAgent:
     """run_episodes' agent interface over sample_turn: act(batch) advances each waiting conversation by one
     turn, one conversation after another. batch: [(task, messages, token_ids)] -> [(new ids, log-probs)]."""
 
-    def __init__(self, model, tokenizer, temperature=1.0, max_new_tokens=256, thinking=False, generator=None):
+    def __init__(self, model, tokenizer, temperature=1.0, max_new_tokens=256, thinking=False, *, generator=None):
         self.model, self.fmt, self.generator = model, ChatFormat(tokenizer, thinking), generator
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
 
@@ -42,7 +42,7 @@ class PlainAgent:
         was_training = self.model.training
         self.model.eval()
         outs = [sample_turn(self.model, ids, self.max_new_tokens, self.temperature, self.fmt.end_of_turn_id,
-                            self.generator) for _, _, ids in batch]
+                            generator=self.generator) for _, _, ids in batch]
         self.model.train(was_training)
         return outs
 

@@ -49,8 +49,8 @@ def bench_update(args, rows=4, prefix=1644, own=990):
           f"{harness.machine()}")
 
     def update(bf16: str, skip: bool):                     # skip: no reference pass, as on the first step
-        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(args), "train_bf16": bf16}), tok.pad_token_id,
-                    seed=0, at_start=skip)
+        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(args), "train_bf16": bf16}),
+                    pad_id=tok.pad_token_id, seed=0, at_start=skip)
     update("off", False)                                   # the untimed warm-up
     base = None
     for name, bf16, skip in (("fp32, reference pass", "off", False), ("fp32, no reference pass", "off", True),

@@ -110,7 +110,7 @@ def main(argv=None):
     users = inspect.signature(rl.sample_groups).parameters      # older commits' ways, so their step traces too
     torch.manual_seed(0)
     trace = Tracer()
-    if "draw" in users:                                         # main hands sample_groups the draw
+    if {"draw", "make_groups"} & set(users):                    # main hands sample_groups the draw
         draw = functools.partial(rl.sample_draw, agent, tok, args, rl.common.user_factory(args))
         drawn, kept, lost = trace.run(rl.sample_groups, draw, pools, 0, args)
     else:
@@ -124,7 +124,7 @@ def main(argv=None):
     model.train()
     params = inspect.signature(rl.grpo_update).parameters       # older commits' names, so their step traces too
     first = "at_start" if "at_start" in params else "ref_is_policy"
-    trace.run(rl.grpo_update, model, optimizer, trajs, adv, args, tok.pad_token_id,
+    trace.run(rl.grpo_update, model, optimizer, trajs, adv, args, pad_id=tok.pad_token_id,
               **{first: True, **({"seed": 0} if "seed" in params else {})})
 
     lines = {f: trace.physical_lines(f) for f in trace.lines}

@@ -158,3 +158,22 @@ def test_wrapping_a_model_in_lora_prints_no_future_warning():
             "rollout.add_lora(m, r=2, alpha=4)\nwarnings.warn('a later FutureWarning still shows', FutureWarning)\n")
     err = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stderr
     assert "is_gradient_checkpointing" not in err and "a later FutureWarning still shows" in err
+
+
+CORE = ("rl.py", "rollout.py", "users.py", "common.py", "sft.py", "eval.py", "envs/__init__.py", "envs/ours.py",
+        "envs/oracle.py", "sampler/plain.py")
+
+
+def test_no_core_function_takes_more_than_five_positional_arguments():
+    """Past five positional parameters the rest are keyword-only (STYLE 28): a call reads by name, and a swapped
+    pair cannot pass silently. The world's tools are exempt: their arguments come by name from the agent's JSON."""
+    over = []
+    for f in CORE:
+        for n in ast.walk(ast.parse(open(os.path.join(ROOT, f)).read())):
+            if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            tool = any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "tool" for d in n.decorator_list)
+            positional = [a.arg for a in n.args.posonlyargs + n.args.args if a.arg not in ("self", "cls")]
+            if len(positional) > 5 and not tool:
+                over.append(f"{f}:{n.lineno} {n.name}({', '.join(positional)})")
+    assert not over, over

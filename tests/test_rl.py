@@ -66,7 +66,7 @@ def test_screening_finishes_the_tasks_whose_first_rollout_got_a_rare_reward(firs
                 for t in tasks]
     ids = [str(i) for i in range(len(first))] + ["lost"]
     groups = rl_module.screened(fake_draw, SimpleNamespace(screen=1, group_size=4), [SimpleNamespace(id=i) for i in ids],
-                                0, 0)
+                                step=0, index=0)
     assert calls == [(ids, (0, 1))] + ([([str(i) for i in finished], (1, 4))] if finished else [])
     assert [len(g) for g in groups] == [4 if i in finished else 1 for i in range(len(first))] + [1]
     assert all([t.trial for t in g] == list(range(len(g))) for g in groups)
@@ -191,7 +191,7 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
         pol = sequence_logprobs(model, ids, attn, mask)
         with model.disable_adapter():
             ref = sequence_logprobs(model, ids, attn, mask)
-    _, st = grpo_loss(pol, pol, ref, torch.ones(4), mask, 0.2, 0.001, "token-mean")
+    _, st = grpo_loss(pol, pol, ref, torch.ones(4), mask, clip=0.2, beta=0.001, agg="token-mean")
     assert st["kl_sum"] == 0.0
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -260,7 +260,7 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
         pol = sequence_logprobs(model, ids, attn, mask)
         with model.disable_adapter():
             off = sequence_logprobs(model, ids, attn, mask)
-    _, st = grpo_loss(pol, pol, off, torch.ones(4), mask, 0.2, 0.001, "token-mean")
+    _, st = grpo_loss(pol, pol, off, torch.ones(4), mask, clip=0.2, beta=0.001, agg="token-mean")
     assert st["kl_sum"] / st["tokens"] > 1e-3          # the adapter-off base would NOT read 0
     ref_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ref." in n}
     assert ref_before and not any(p.requires_grad for n, p in model.named_parameters() if ".ref." in n)
@@ -400,13 +400,13 @@ def test_each_mini_batch_is_a_seeded_random_subset_of_both_domains(monkeypatch):
 
     def split(seed):
         seen = []                                             # per grpo_loss call, the rollouts of its micro-batch
-        monkeypatch.setattr(rl_module, "grpo_loss", lambda logp, old, ref, a, *rest: seen.append(
-            [round(x * 100) - 1 for x in a.tolist()]) or loss(logp, old, ref, a, *rest))
+        monkeypatch.setattr(rl_module, "grpo_loss", lambda logp, old, ref, a, *rest, **kw: seen.append(
+            [round(x * 100) - 1 for x in a.tolist()]) or loss(logp, old, ref, a, *rest, **kw))
         model = tiny_lora_model()
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         steps, step = [], opt.step
         opt.step = lambda *a, **kw: steps.append(len(seen)) or step(*a, **kw)    # the calls before each AdamW step
-        st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": 2}), 2, seed=seed)
+        st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": 2}), pad_id=2, seed=seed)
         assert st["updates"] == 2 and len(steps) == 2
         return [sorted(i for rows in seen[a:b] for i in rows) for a, b in zip([0] + steps[:-1], steps)]
     first = split(seed=5)
@@ -428,7 +428,8 @@ def test_micro_batches_add_up_to_the_whole_batch(agg):
             torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
         before = [p.detach().clone() for p in params]
         opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
-        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "micro_batch": micro, "loss_agg": agg}), 2, 0)
+        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "micro_batch": micro, "loss_agg": agg}),
+                    pad_id=2, seed=0)
         updates.append([p.detach() - b for p, b in zip(params, before)])
     assert max(u.abs().max().item() for u in updates[0]) > 1e-4
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*updates))

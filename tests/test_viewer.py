@@ -135,7 +135,7 @@ def write_step(out, drawn_files, drawn, kept, left):
     number of groups kept) and the metrics line of rl.step_metrics."""
     for d, trajs in enumerate(drawn_files):
         rollout.save_trajectories(str(out / "rollouts" / f"step-000001-draw-{d}.jsonl"), trajs)
-    m = rl.step_metrics(0, drawn, kept, left, None, dict(rollout_s=1.0, train_s=0.0), [0, 0])
+    m = rl.step_metrics(0, drawn, kept, left, None, seconds=dict(rollout_s=1.0, train_s=0.0), price=[0, 0])
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
     json.dump({"group_size": 4, "tasks": len(kept)}, open(out / "args.json", "w"))
@@ -210,7 +210,7 @@ def sample_step(out, tok, tasks: int, screen: int):
     draw = functools.partial(rl.screened, draw, args) if screen else draw      # as rl.py's main picks it
     drawn, kept, lost = rl.sample_groups(draw, pools, 0, args)
     adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
-    m = rl.step_metrics(0, drawn, kept, lost, None, dict(rollout_s=1.0, train_s=0.0), [0, 0])
+    m = rl.step_metrics(0, drawn, kept, lost, None, seconds=dict(rollout_s=1.0, train_s=0.0), price=[0, 0])
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
     return drawn, kept, adv, m
