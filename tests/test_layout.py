@@ -5,6 +5,7 @@ of ours; each file says what it holds and the README's map names it; and bitsand
 logs no false error, while a real one still prints (a whole run's log: tests/test_rl.py's smoke test)."""
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -177,3 +178,38 @@ def test_no_core_function_takes_more_than_five_positional_arguments():
             if len(positional) > 5 and not tool:
                 over.append(f"{f}:{n.lineno} {n.name}({', '.join(positional)})")
     assert not over, over
+
+
+BATTERIES = {"sampler.fast", "sampler.static", "sampler.attention", "sampler.memory", "sampler.bench", "scripts"}
+SEAMS = {"rl": {"sampler", "common"}}     # a reading-list file -> the seam modules it may reach batteries through
+
+
+def reading_list() -> dict:
+    """The README's reading list: {file: the lines it says the file has}."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = readme[readme.index("## The reading list"):readme.index("## Where to read each piece")]
+    return {f: int(n) for f, n in re.findall(r"^\| `([\w/.]+\.py)` \|.*\| (\d+) \|$", table, re.M)}
+
+
+def module_of_file(f: str) -> str:
+    return f[:-len("/__init__.py")].replace("/", ".") if f.endswith("__init__.py") else f[:-3].replace("/", ".")
+
+
+def test_the_reading_list_is_the_steps_files_and_imports_no_battery_but_through_its_seams():
+    """The files a learner opens for one step, as the README lists them: they exist, each within 10% of the lines the
+    README gives, and none imports a battery (a fast sampler, kernels/, a benchmark adapter, scripts/) except through
+    the named seams: rl.py's sampler.make_agent and common.py, envs/__init__.py's table of worlds (by name)."""
+    files = reading_list()
+    assert list(files)[:3] == ["rl.py", "rollout.py", "sampler/plain.py"] and len(files) >= 5, files
+    for f, n in files.items():
+        real = len(open(os.path.join(ROOT, f)).read().splitlines())
+        assert abs(real - n) <= 0.1 * n, f"{f} has {real} lines, the README's reading list says {n}"
+    import envs
+    benchmarks = {m for _, *modules in envs.WORLDS.values() for m in modules if m.startswith("envs.benchmarks.")}
+    for m in map(module_of_file, files):
+        reached = imports_of(m)
+        batteries = {n for n in reached if n in BATTERIES or n.startswith(("kernels", "envs.benchmarks"))}
+        allowed = benchmarks if m == "envs" else set()           # envs/__init__.py names them in WORLDS
+        assert batteries <= allowed, (m, batteries - allowed)
+        seams = reached & {"sampler", "common"}
+        assert seams <= SEAMS.get(m, set()), (m, seams)
