@@ -209,9 +209,10 @@ def has_signal(group) -> bool:
 
 # ---------------------------------------------------------------- 3. advantages
 
-def group_advantages(rewards, group_size, eps=1e-4):
-    """rewards (N,) task-major -> advantages (N,): (r - mean_group) / (std_group + eps)."""
-    r = rewards.float().view(-1, group_size)                    # (groups, G)
+def group_advantages(rewards, eps=1e-4):
+    """One group's rewards (G,) -> its advantages (G,): (r - mean) / (std + eps), the std over the group's G
+    (population). A group may be short of G when an LLM user failed: it is normalised over what it kept."""
+    r = rewards.float().view(1, -1)                             # (1, G)
     mean, std = r.mean(1, keepdim=True), r.std(1, unbiased=False, keepdim=True)
     return ((r - mean) / (std + eps)).view(-1)
 
@@ -347,7 +348,7 @@ def main(argv=None):
         sampled_s = time.time() - t0
         stats = None
         if kept:                                  # 3. advantages within each kept group
-            adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
+            adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g])) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
             stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, pad_id=tok.pad_token_id,
                                 seed=args.seed * SEED_STRIDE + step, at_start=not optimizer.state)

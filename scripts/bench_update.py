@@ -149,7 +149,7 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
         ids = torch.randint(0, config.vocab_size, (seq_len,), generator=g).tolist()
         trajs.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2),
                                      domain=None))
-    adv = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)), n_seq)
+    adv = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)))
     args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
                            grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)

@@ -119,7 +119,8 @@ def main(argv=None):
     trajs = [t for g in drawn for t in g][:2]
     for t, r in zip(trajs, (1.0, 0.0)):
         t.reward = r
-    adv = trace.run(rl.group_advantages, torch.tensor([t.reward for t in trajs]), 2)
+    takes_g = "group_size" in inspect.signature(rl.group_advantages).parameters   # older commits: (rewards, G)
+    adv = trace.run(rl.group_advantages, torch.tensor([t.reward for t in trajs]), *([2] if takes_g else []))
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     model.train()
     params = inspect.signature(rl.grpo_update).parameters       # older commits' names, so their step traces too

@@ -119,7 +119,7 @@ def group_records(groups: list, cap) -> list:
         signal = bool(ok) and rl.has_signal(ok)
         keep = signal and trained < cap
         trained += keep
-        adv = rl.group_advantages(torch.tensor([t.reward for t in ok]), len(ok)).tolist() if keep else None
+        adv = rl.group_advantages(torch.tensor([t.reward for t in ok])).tolist() if keep else None
         out.append(dict(trials=[t.trial for t in ok], rewards=[t.reward for t in ok], trained=keep, advantages=adv,
                         filtered="" if keep else "over --tasks cap" if signal else "no variance") if ok else None)
     return out

@@ -30,9 +30,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---------------------------------------------------------------- pure functions
 
+def two_groups_advantages():
+    """The advantages of two groups of two rollouts, rewards (1, 0) and (0, 1): the rows of the tiny updates below."""
+    return torch.cat([group_advantages(torch.tensor([1.0, 0.0])), group_advantages(torch.tensor([0.0, 1.0]))])
+
+
 def test_group_advantages_normalise_per_group():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0,   1.0, 1.0, 0.0, 0.0])   # two groups of G=4
-    adv = group_advantages(r, 4, eps=0.0)
+    adv = torch.cat([group_advantages(r[:4], eps=0.0), group_advantages(r[4:], eps=0.0)])
     # group 0: mean 0.25, population std sqrt(0.25*0.75)=0.4330
     s = math.sqrt(0.25 * 0.75)
     assert torch.allclose(adv[:4], torch.tensor([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s]))
@@ -42,7 +47,7 @@ def test_group_advantages_normalise_per_group():
 
 def test_zero_variance_groups_have_no_signal_and_zero_advantage():
     r = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.5])     # G=2: groups (0,0) (1,1) (1,0) (.5,.5)
-    adv = group_advantages(r, 2)
+    adv = torch.cat([group_advantages(r[i:i + 2]) for i in range(0, 8, 2)])
     groups = [[SimpleNamespace(reward=x) for x in r[i:i + 2].tolist()] for i in range(0, 8, 2)]
     assert [has_signal(g) for g in groups] == [False, False, True, False]
     assert adv[[0, 1, 2, 3, 6, 7]].abs().max().item() == 0.0
@@ -193,7 +198,7 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
             ref = sequence_logprobs(model, ids, attn, mask)
     _, st = grpo_loss(pol, pol, ref, torch.ones(4), mask, clip=0.2, beta=0.001, agg="token-mean")
     assert st["kl_sum"] == 0.0
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = two_groups_advantages()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     total = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
@@ -218,7 +223,7 @@ def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
     for t in trajs[1:]:
         t.token_ids[:5] = trajs[0].token_ids[:5]
     ids, attn, mask = batch_trajectories(trajs, pad_id=2)
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = two_groups_advantages()
 
     def score():
         with torch.no_grad():
@@ -264,7 +269,7 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     assert st["kl_sum"] / st["tokens"] > 1e-3          # the adapter-off base would NOT read 0
     ref_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ref." in n}
     assert ref_before and not any(p.requires_grad for n, p in model.named_parameters() if ".ref." in n)
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = two_groups_advantages()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     first = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     print(f"KL at the first update {first['kl_sum'] / first['tokens']:.2e} (adapter-off base: "
@@ -438,7 +443,7 @@ def test_micro_batches_add_up_to_the_whole_batch(agg):
 def test_mini_batches_make_ratio_depart_from_one():
     model = tiny_lora_model()
     trajs = fake_trajs()
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
+    adv = two_groups_advantages()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
     args = SimpleNamespace(**{**vars(ARGS), "mini_batches": 2})
     total = grpo_update(model, opt, trajs, adv, args, pad_id=2, seed=0)

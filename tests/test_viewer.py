@@ -209,7 +209,7 @@ def sample_step(out, tok, tasks: int, screen: int):
     draw = functools.partial(rl.sample_draw, Mixed(tok), tok, args, envs.UserFactory("scripted"))
     draw = functools.partial(rl.screened, draw, args) if screen else draw      # as rl.py's main picks it
     drawn, kept, lost = rl.sample_groups(draw, pools, 0, args)
-    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g]), len(g)) for g in kept])
+    adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g])) for g in kept])
     m = rl.step_metrics(0, drawn, kept, lost, None, seconds=dict(rollout_s=1.0, train_s=0.0), price=[0, 0])
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
