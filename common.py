@@ -147,16 +147,17 @@ def add_model_args(p: Parser, model_default=None, sampler=True):
 
 
 def add_user_args(p: Parser, default="scripted", several=False):
+    import envs
     import users
     g = p.group("world")
-    g.add_argument("--user", default=default, help=f"user simulator: {users.user_help()} (users.USER_KINDS; "
+    g.add_argument("--user", default=default, help=f"user simulator: {envs.user_help()} (envs.USER_KINDS; "
                    "behaviours, personas and their train / held-out split: users.AXES, users.PERSONAS)"
                    + ("; a comma list evaluates under each" if several else ""))
     g = p.group("more")
     g.add_argument("--user-base-url", default=None, help="base URL of an openai:MODEL user's server "
                    "(default $OPENAI_BASE_URL; key $OPENAI_API_KEY)")
     g.add_argument("--user-check", default="on", choices=["on", "off"], help="check each message of an LLM user of "
-                   "our domains (users.check_turn: a stop before the needed write, a fact the task does not hold, the "
+                   "our domains (envs/llm_users.py's check_turn: a stop before the needed write, a fact the task does not hold, the "
                    "agent's voice, nothing); off: take every message as it comes")
     g.add_argument("--user-retries-on-check", type=int, default=2, help="times a message the check flags is asked "
                    "again (a correction line, a seeded higher temperature); then the episode is left out")
@@ -197,7 +198,6 @@ def check_args(args, at_least=None, finite=None, several_users=False, training=F
     at_least: {flag name: minimum} for ints; finite: {flag name: (low, strict)} for floats (value > low if
     strict, else >= low); several_users: --user may be a comma list (eval.py); training: a stage that trains on
     --user's conversations (no held-out persona)."""
-    import users
     import envs
     at_least = {"user_retries_on_check": 0, **(at_least or {})}       # the user flags, where a stage has them
     finite = {"max_sim_failures": (0, False), "user_timeout": (0, True), **(finite or {})}
@@ -220,9 +220,9 @@ def check_args(args, at_least=None, finite=None, several_users=False, training=F
             if t not in TIERS and t not in scenarios:
                 fail("--tiers", f"unknown tier {t!r}; use a comma list of {', '.join(TIERS)} or of scenario names "
                                 f"({', '.join(scenarios)})")
-    if getattr(args, "user", None) is not None:       # users.USER_KINDS and users.PERSONAS say what is valid
+    if getattr(args, "user", None) is not None:       # envs.USER_KINDS and users.PERSONAS say what is valid
         for u in args.user.split(",") if several_users else [args.user]:
-            if error := users.check_user(u, training):
+            if error := envs.check_user(u, training):
                 fail("--user", error)
     ctx, new = getattr(args, "max_context", None), getattr(args, "max_new_tokens", None)
     if ctx is not None and new is not None and ctx <= new:

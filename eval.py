@@ -71,6 +71,7 @@ import rollout
 import sampler
 import users
 import envs
+from envs import llm_users
 
 # CPU: the tier the CPU presets of sft.py and rl.py train on, 24 held-out tasks per domain (48 in all, enough
 # to tell two agents apart when they differ by ~0.15), greedy, one trial each, under the training personas and
@@ -229,7 +230,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("sc
     """pass^k of `agent` (run_episodes' agent: ModelAgent, OpenAIAgent, ...) on `tasks`, `trials` each, with the
     user each conversation gets from `user` (an envs.UserFactory). A task with a trial whose
     user simulator failed or broke the check leaves pass^k; more than max_sim_failures of the
-    episodes left out stops the evaluation with one line. "users": what the users did and cost (users.user_report,
+    episodes left out stops the evaluation with one line. "users": what the users did and cost (llm_users.user_report,
     dollars at price), the re-runs of the failure analysis included.
 
     Returns {"overall", "per_domain", "per_tier", "per_scenario"} summaries (see summarize), "rewards"
@@ -242,7 +243,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("sc
     torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, user_workers=user_workers)
     every = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
-    users.stop_if_many_left_out(every, max_sim_failures, "evaluation")
+    llm_users.stop_if_many_left_out(every, max_sim_failures, "evaluation")
     lost = {tr.task_id for tr in every if tr.failed}  # a failed simulator is no evidence about the agent: such a
     trajs = [tr for tr in every if tr.task_id not in lost]   # task leaves pass^k (its trials pair up no more)
     rewards = {}
@@ -293,7 +294,7 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("sc
             "user_sim_suspects": len(rescued),
             "stop_reasons": dict(Counter(tr.stop_reason for tr in trajs)), "calls": calls,
             "metrics": {m: dict(v) for m, v in values.items()}, "seconds": time.time() - t0,
-            "users": users.user_report(every + reran, time.time() - t0, price),
+            "users": llm_users.user_report(every + reran, time.time() - t0, price),
             "behaviour": behaviour(values, {t.id: t.domain for t in tasks})}
 
 
@@ -453,8 +454,8 @@ def markdown(results: dict, pairs: dict | None = None) -> str:
 
 
 def users_table(results: dict) -> list[str]:
-    """The users of each agent's evaluation (users.user_report), a row each: [] when none was reported."""
-    rows = {a: r["tau"]["users"] for a, r in results.items() if "users" in r["tau"]}
+    """The users of each agent's evaluation (llm_users.user_report), a row each: [] when none was reported."""
+    rows = {a: r["tau"]["users"] for a, r in results.items() if r["tau"].get("users")}
     counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"   # noqa: E731
     share = lambda u: "" if u["user_wait_share"] is None else f" ({u['user_wait_share']:.0%})"   # noqa: E731
     return ["", "What the simulated users did and cost: requests sent (of them, the client's retries and the check's "
@@ -615,7 +616,7 @@ def main(argv=None):
                   "  ".join(f"{METRICS[m]} {b[m]['mean']:.3f}" for m in METRICS if m != "pass1" and b[m]["mean"] is not None) +
                   f"  failures {len(tau['failures'])}  user-sim suspects {tau['user_sim_suspects']}/{tau['rechecked']}"
                   f"  simulator failures {tau['sim_failures']} ({tau['tasks_lost']} tasks left out)  stops {tau['stop_reasons']}"
-                  f"  {tau['seconds']:.0f}s  {users.user_line(tau['users'])}")
+                  f"  {tau['seconds']:.0f}s" + (f"  {llm_users.user_line(tau['users'])}" if tau["users"] else ""))
         del agent
     if not results:
         raise SystemExit("no agent to evaluate: check --agents and the adapter paths")

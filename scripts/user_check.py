@@ -1,4 +1,4 @@
-r"""scripts/user_check.py: the check on the LLM user (users.check_turn), measured on a real one.
+r"""scripts/user_check.py: the check on the LLM user (llm_users.check_turn), measured on a real one.
 
 The SFT agent (greedy) on eval.py's CPU tasks (--n-tasks held-out tasks a domain, 24 as eval.py's; common.CPU_TIERS,
 its episode limits) under an LLM user, each task's episode run twice with the same user seed: the check off
@@ -6,11 +6,11 @@ its episode limits) under an LLM user, each task's episode run twice with the sa
 server, which answers one request at a time and keeps the last one's keys and values, reads only what each message
 adds. Then it measures:
   * how often the check flags, per reason: the share of user messages and of episodes. Off: the check run afterwards
-    on the conversations as they went (rollout.check_episode). On: what it flagged in the loop (first tries), what a
+    on the conversations as they went (llm_users.check_episode). On: what it flagged in the loop (first tries), what a
     re-ask mended, and the episodes left out because their user broke it;
   * how to ask again: flagged messages of the run without the check (--sample of them) asked again, up to --retries
     times, four ways (the same request; a seeded higher temperature; the correction line at the user's temperature;
-    both, the way users.OpenAIUser.ask_again does it), and how many each mends;
+    both, the way llm_users.OpenAIUser.ask_again does it), and how many each mends;
   * pass^1 with and without the check, paired on the tasks both kept (eval.paired_difference: bootstrap CI, sign test);
 and writes every flagged message, and as many unflagged ones drawn at random, with the agent's message before each,
 for reading (what the check gets wrong, and what it misses).
@@ -38,6 +38,7 @@ import eval as ev  # noqa: E402
 import rollout  # noqa: E402
 import sampler  # noqa: E402
 import users  # noqa: E402
+from envs import llm_users  # noqa: E402
 
 WAYS = {"the same request": (False, False), "higher temperature": (False, True), "correction line": (True, False),
         "both (ask_again)": (True, True)}   # way -> (the correction line, a seeded AGAIN_TEMPERATURE)
@@ -73,11 +74,12 @@ def run_arms(agent, tok, tasks, args) -> tuple[dict, dict]:
 
 def user_messages(t) -> list[int]:
     """The indices of a trajectory's user messages: the opening, each reply, a last try that broke the check."""
-    return [i for i, m in enumerate(t.messages) if m["role"] == "user"]
+    broke = [c["at"] for c in t.stats.get("user_checks", []) if "broke" in c]      # a broken opening has its ""
+    return sorted({i for i, m in enumerate(t.messages) if m["role"] == "user"} | set(broke))
 
 
 def env_at(task, messages):
-    """A fresh env with the agent's executed tool calls in messages replayed (as rollout.check_episode does)."""
+    """A fresh env with the agent's executed tool calls in messages replayed (as llm_users.check_episode does)."""
     env = envs.make_env(task)
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -91,25 +93,25 @@ def shares(flags_by_episode: dict, turns: int) -> dict:
     by_ep = Counter(r for flags in flags_by_episode.values() for r in set(flags))
     by_turn["any"], by_ep["any"] = sum(by_turn.values()), sum(map(bool, flags_by_episode.values()))
     return {r: {"turns": by_turn[r] / turns, "turns_n": by_turn[r], "episodes": by_ep[r] / len(flags_by_episode),
-                "episodes_n": by_ep[r]} for r in [*users.CORRECTIONS, "any"]}
+                "episodes_n": by_ep[r]} for r in [*llm_users.CORRECTIONS, "any"]}
 
 
 def ask_again_ways(flagged: list, model: str, base_url: str, retries: int) -> dict:
     """Each flagged message (task, its conversation before it, what it said, its reason) asked again up to `retries`
     times each way (WAYS): -> {way: {"mended": how many passed the check within the retries, "by_attempt": [n
     mended at attempt 1, 2, ...], "still": Counter of the reasons left}}."""
-    client = users.openai_client(base_url, "none", 900.0)
+    client = llm_users.openai_client(base_url, "none", 900.0)
     out = {}
     for way, (correct, hotter) in WAYS.items():
         by_attempt, still = [0] * retries, Counter()
         for task, messages, said, reason in flagged:
-            chat, env = users.user_sim_messages(task, messages), env_at(task, messages)
+            chat, env = llm_users.user_sim_messages(task, messages), env_at(task, messages)
             for attempt in range(1, retries + 1):
-                sampling = dict(temperature=users.AGAIN_TEMPERATURE, seed=attempt) if hotter else dict(temperature=0.0)
-                r = client.chat.completions.create(model=model, messages=users.again_chat(chat, said, reason) if correct
+                sampling = dict(temperature=llm_users.AGAIN_TEMPERATURE, seed=attempt) if hotter else dict(temperature=0.0)
+                r = client.chat.completions.create(model=model, messages=llm_users.again_chat(chat, said, reason) if correct
                                                    else chat, max_tokens=256, **sampling)
                 said = (r.choices[0].message.content or "").strip()
-                if not (reason := users.check_turn(task, env, messages, said)):
+                if not (reason := llm_users.check_turn(task, env, messages, said)):
                     by_attempt[attempt - 1] += 1
                     break
             else:
@@ -166,16 +168,16 @@ def report(task_list: list, off: dict, on: dict, args) -> dict:
     off, on = ({(k, 0): t for k, t in run.items()} for run in (off, on))     # keyed (task id, trial) as eval.py's
 
     # 1. how often it flags: off, afterwards on the conversations as they went; on, in the loop (first tries)
-    flags_off = {k: [r for _, r in rollout.check_episode(tasks[k[0]], t)] for k, t in off.items()}
-    flags_on = {k: [m["flagged"][0]["reason"] for m in t.messages if m.get("flagged")] for k, t in on.items()}
+    flags_off = {k: [r for _, r in llm_users.check_episode(tasks[k[0]], t)] for k, t in off.items()}
+    flags_on = {k: [c["flagged"][0]["reason"] for c in t.stats["user_checks"]] for k, t in on.items()}
     turns_off, turns_on = (sum(len(user_messages(t)) for t in run.values()) for run in (off, on))
-    mended = Counter(m["flagged"][0]["reason"] for t in on.values() for m in t.messages
-                     if m.get("flagged") and not m.get("broke"))
+    mended = Counter(c["flagged"][0]["reason"] for t in on.values() for c in t.stats["user_checks"]
+                     if "broke" not in c)
     left_out = Counter(t.stats["user_broke"] for t in on.values() if t.failed == "user_broke")
 
     # 2. how to ask again, on flagged messages of the run without the check
     flagged = [(tasks[k[0]], off[k].messages[1:i], off[k].messages[i]["content"], r)
-               for k in off for i, r in rollout.check_episode(tasks[k[0]], off[k])]
+               for k in off for i, r in llm_users.check_episode(tasks[k[0]], off[k])]
     sample = random.Random(0).sample(flagged, min(args.sample or len(flagged), len(flagged)))
     ways = ask_again_ways(sample, args.user.partition(":")[2], args.user_base_url, args.retries)
 
@@ -192,7 +194,7 @@ def report(task_list: list, off: dict, on: dict, args) -> dict:
          "pass1": {c: {"pass1": s["pass^k"][1], "ci": s["ci"][1], "n": s["n_tasks"]} for c, s in summary.items()},
          "paired_on_minus_off": ev.paired_difference(pass1(on, kept), pass1(off, kept), n_boot=10000),
          "left_out_scored_off": {"n": len(spared), "passed": sum(off[k].reward >= 1 for k in spared)},
-         "users": {c: users.user_report(list(run.values())) for c, run in (("off", off), ("on", on))}}
+         "users": {c: llm_users.user_report(list(run.values())) for c, run in (("off", off), ("on", on))}}
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(r, f, indent=1)
     at = {(task.id, len(messages)) for task, messages, _, _ in flagged}     # flagged: (task, index of the message - 1)
@@ -214,7 +216,7 @@ def markdown(r: dict) -> str:
              f"{r['user_messages']['on']} with it.", "",
              "| reason | off: messages flagged | off: episodes | on: first tries flagged | on: episodes | on: mended "
              "by a re-ask | on: left out |", "|---|---|---|---|---|---|---|"]
-    for reason in [*users.CORRECTIONS, "any"]:
+    for reason in [*llm_users.CORRECTIONS, "any"]:
         a, b = r["flags_off"][reason], r["flags_on"][reason]
         mended = sum(r["mended_on"].values()) if reason == "any" else r["mended_on"].get(reason, 0)
         left = sum(r["left_out_on"].values()) if reason == "any" else r["left_out_on"].get(reason, 0)
@@ -234,7 +236,7 @@ def markdown(r: dict) -> str:
               f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}], on higher in {d['only_a']}, off higher in {d['only_b']}, "
               f"sign test p = {d['mcnemar_p']:.3f}." if d else "No task was kept by both runs.",
               f"The {spared['n']} episodes the check left out: the run without it passed {spared['passed']} of them.",
-              "", *(f"Users {c}: {users.user_line(u)}" for c, u in r["users"].items())]
+              "", *(f"Users {c}: {llm_users.user_line(u)}" for c, u in r["users"].items())]
     return "\n".join(lines) + "\n"
 
 

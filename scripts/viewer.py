@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import rl  # noqa: E402
 import rollout  # noqa: E402
-import users  # noqa: E402
+from envs import llm_users  # noqa: E402
 
 esc = html.escape
 CSS = """
@@ -202,13 +202,14 @@ def turn(role: str, body: str, note: str = "") -> str:
             f'<div class=tok>{body}</div></div>')
 
 
-def flagged_turns(m: dict) -> str:
-    """A user message's tries the check flagged (rollout.check_replies), each marked with its reason: asked again, or
-    the last try of a user that broke the check (its episode left out)."""
-    tries = m.get("flagged") or []
+def flagged_turns(check: dict | None) -> str:
+    """A user message's tries the check flagged (envs/llm_users.py's CheckedUser: one of the trajectory's
+    stats["user_checks"]), each marked with its reason: asked again, or the last try of a user that broke the check
+    (its episode left out)."""
+    tries = (check or {}).get("flagged", [])
     return "".join(turn("user flagged", f"<span class=text>{esc(f['said'])}</span>", f"flagged by the check: "
                         f"{f['reason']}; " + ("no re-ask left: the user broke, the episode is left out"
-                                              if m.get("broke") and k == len(tries) - 1 else "asked again"))
+                                              if "broke" in check and k == len(tries) - 1 else "asked again"))
                    for k, f in enumerate(tries))
 
 
@@ -230,6 +231,7 @@ def conversation(t, vocab: Vocab) -> str:
     tokens appended for it); a message that has no tokens (the user's closing ###STOP###) as text; before a user
     message, its tries the check flagged."""
     runs, parts, r = stretches(t.loss_mask), [], 0
+    checks = {c["at"]: c for c in t.stats.get("user_checks", [])}     # message index -> its flagged tries
     if runs and not runs[0][2]:
         lo, hi, _ = runs[0]
         starts = [i for i in range(lo, hi) if t.token_ids[i] == vocab.turn_start]
@@ -237,20 +239,20 @@ def conversation(t, vocab: Vocab) -> str:
         n = vocab.prompt(t, lo, cut)
         parts.append(f'<div class="turn system"><b>system prompt</b><span class=note>{cut - lo} tokens, the same as '
                      f'<a href="#prompt-{n}">system prompt {n}</a> at the top</span></div>')
-        parts.append(flagged_turns(t.messages[1]) if len(t.messages) > 1 else "")
+        parts.append(flagged_turns(checks.get(1)))
         if cut < hi:
             parts.append(turn("user", spans(t, cut, hi, vocab), "the opening"))
         r = 1
-    for m in t.messages[2:]:
+    for i, m in enumerate(t.messages[2:], start=2):
         agent = m["role"] == "assistant"
-        parts.append(flagged_turns(m))
-        if m.get("broke"):                                  # its tries are all it said: nothing reached the agent
-            continue
+        parts.append(flagged_turns(checks.get(i)))
         if r < len(runs) and runs[r][2] == agent:
             parts.append(turn(m["role"], spans(t, *runs[r][:2], vocab), agent_note(m) if agent else ""))
             r += 1
         else:
             parts.append(turn(m["role"], f"<span class=text>{esc(m['content'])}</span>", "no tokens: the episode ends"))
+    if len(t.messages) > 2:           # a user that broke the check: its tries are all it said, nothing reached the agent
+        parts.append(flagged_turns(checks.get(len(t.messages))))
     # tokens that no message names: a rollout saved without its messages (rl.py --rollouts accepts those too)
     parts += [turn("assistant" if m else "user or tool", spans(t, lo, hi, vocab)) for lo, hi, m in runs[r:]]
     return "".join(parts)
@@ -330,7 +332,7 @@ def step_line(m: dict | None) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)                    # noqa: E731
     share = f" ({m['signal_token_share']:.0%} of the tokens)" if "signal_token_share" in m else ""
     held = f" · held-out pass^1 after the step {m['heldout_pass1']:.3f}" if m.get("heldout_pass1") is not None else ""
-    held += f" · {esc(users.user_line(m))}" if "user_requests" in m else ""
+    held += f" · {esc(llm_users.user_line(m))}" if "user_requests" in m else ""
     return (f"<p class=meta>reward {m['reward']:.3f} · pass rate {m['pass_rate']:.3f} · groups: {m['groups_drawn']} "
             f"drawn, {m['groups_varied']} with reward variance{share}, {m['groups_trained']} trained · kl "
             f"{f(m['kl'], '.5f')} · {m['tokens']} tokens sampled, {m['train_tokens']} trained · simulator failures "

@@ -4,7 +4,7 @@ scripts/bench_user_round.py).
 It listens on 127.0.0.1 only (an ephemeral port), is started by whoever uses it, and stops itself on leaving
 its `with` block or after `lifetime` seconds, whichever comes first.
 
-The user it plays: POST /v1/chat/completions gets the simulator's chat (users.user_sim_messages: the system
+The user it plays: POST /v1/chat/completions gets the simulator's chat (llm_users.user_sim_messages: the system
 prompt with a task's instruction, the agent's greeting, then the conversation with roles flipped). The server
 finds the task by that system prompt, rebuilds a users.ScriptedUser for it (seeded by the task id) and replays
 the conversation through it from the start: the answer is what that scripted user says next. It keeps no
@@ -23,9 +23,9 @@ What it gets wrong, on purpose:
   restart(down_s)   down (requests in flight dropped, new connections refused), then up again on the same port
                     after down_s; down_s = inf: gone for good. restart_after=(n, down_s): when request n arrives.
 What a user gets wrong, on purpose (tests/test_user_check.py): breaks {(task id, k): (reason, times)}, the k-th
-message of that task's user (0: its opening) answered with BREAKS[reason], a message the check (users.check_turn)
+message of that task's user (0: its opening) answered with BREAKS[reason], a message the check (llm_users.check_turn)
 flags for that reason, its first `times` times (inf: always); then as the scripted user says it. A re-ask after the
-check (users.again_chat: the flagged message and a correction at the end of the chat) is answered as the request
+check (llm_users.again_chat: the flagged message and a correction at the end of the chat) is answered as the request
 without them. Such state is per conversation: give each task one trial.
 Counters: requests (that reached it), outcomes (Counter of what each got: "broke REASON" for a break),
 max_in_flight.
@@ -40,6 +40,7 @@ import zlib
 from collections import Counter
 
 import users
+from envs import llm_users
 
 FAULTS = ("429", "500", "503", "drop", "garbage", "empty")
 BREAKS = {"early_stop": "Yes, please go ahead. ###STOP###",   # a yes and a stop together (τ²-bench issue 182)
@@ -73,7 +74,7 @@ class FaultServer:
     def __init__(self, tasks, latency=0.0, jitter=0.0, faults=None, script=(), retry_after=1.0, seed=0,
                  restart_after=None, lifetime=600.0, breaks=None):
         self.breaks, self.broken = dict(breaks or {}), Counter()   # (task id, k) -> (reason, times); times broken
-        self.by_prompt = {users.user_sim_messages(t, [])[0]["content"]: t for t in tasks}   # system prompt -> task
+        self.by_prompt = {llm_users.user_sim_messages(t, [])[0]["content"]: t for t in tasks}   # system prompt -> task
         self.latency, self.jitter, self.faults, self.script = latency, jitter, dict(faults or {}), list(script)
         self.retry_after, self.restart_after, self.rng = retry_after, restart_after, random.Random(seed)
         self.requests, self.outcomes, self.in_flight, self.max_in_flight = 0, Counter(), 0, 0

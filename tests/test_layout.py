@@ -16,7 +16,7 @@ TOP = {   # every visible top-level entry, and what it holds
     "rollout.py": "the loop: run_episodes, chat format, model loading", "users.py": "the simulated users",
     "common.py": "what the stages share: flags, presets, checkpoints, training passes",
     "sampler": "the policy as a sampler: plain.py to read, fast.py the same tokens faster",
-    "envs": "the worlds: the table and ours (procedural) at its top, the benchmark adapters in benchmarks/",
+    "envs": "the worlds and the users: the tables and ours at its top, the LLM users beside, benchmarks/ below",
     "kernels": "the log-prob kernel and the benchmarks' harness",
     "scripts": "scale-out, viewer, stage benchmarks, the GPU check",
     "docs": "results and reference pages", "tests": "pytest",
@@ -26,8 +26,8 @@ MODULES = sorted([p[:-3] for p in os.listdir(ROOT) if p.endswith(".py")] + ["scr
                  [d if f == "__init__.py" else f"{d}.{f[:-3]}" for d in PACKAGES
                   for f in os.listdir(os.path.join(ROOT, *d.split("."))) if f.endswith(".py")])
 STAGES = {"sft", "rl", "eval"}                 # scripts/rl_trl.py, the scale-out stage, lives with the scripts
-WORLD_SIDE = {"envs.databases", "envs.ours", "users", "envs.oracle"}   # ours; a benchmark module sits between it
-                                                                     # and the table (envs/__init__.py)
+WORLD_SIDE = {"envs.databases", "envs.ours", "users", "envs.llm_users", "envs.oracle"}   # ours; a benchmark module
+                                                                     # sits between it and the table (envs/__init__.py)
 
 
 def files_of(name: str) -> list[str]:
@@ -63,6 +63,7 @@ def imports_of(name: str) -> set:
     if name == "envs":
         import envs
         names |= {m for _, *modules in envs.WORLDS.values() for m in modules}
+        names |= {f.partition(":")[0] for kind in envs.USER_KINDS.values() for f in (kind.build, kind.check) if f}
     return {m for m in map(ours, names) if m} - {name}
 
 
@@ -91,7 +92,7 @@ def test_no_module_imports_another_in_a_circle_lazy_imports_included():
 
 def test_the_world_side_imports_no_benchmark_and_nothing_of_the_model_side():
     import envs
-    benchmarks = {m for _, *modules in envs.WORLDS.values() for m in modules} - WORLD_SIDE
+    benchmarks = {m for _, *modules in envs.WORLDS.values() for m in modules if m} - WORLD_SIDE
     assert benchmarks == {f"envs.benchmarks.{b}_domains" for b in ("tau2", "acebench", "bfcl")}
     for m in WORLD_SIDE:
         assert imports_of(m) <= WORLD_SIDE, (m, imports_of(m))
@@ -180,8 +181,11 @@ def test_no_core_function_takes_more_than_five_positional_arguments():
     assert not over, over
 
 
-BATTERIES = {"sampler.fast", "sampler.static", "sampler.attention", "sampler.memory", "sampler.bench", "scripts"}
+BATTERIES = {"sampler.fast", "sampler.static", "sampler.attention", "sampler.memory", "sampler.bench", "envs.llm_users",
+             "scripts"}
 SEAMS = {"rl": {"sampler", "common"}}     # a reading-list file -> the seam modules it may reach batteries through
+NAMED = {"rl": {"envs.llm_users"}}        # a reading-list file -> the batteries it names itself: rl.py's step line
+                                          # reports what LLM users cost (user_report, user_line), nothing for ours
 
 
 def reading_list() -> dict:
@@ -209,7 +213,8 @@ def test_the_reading_list_is_the_steps_files_and_imports_no_battery_but_through_
     for m in map(module_of_file, files):
         reached = imports_of(m)
         batteries = {n for n in reached if n in BATTERIES or n.startswith(("kernels", "envs.benchmarks"))}
-        allowed = benchmarks if m == "envs" else set()           # envs/__init__.py names them in WORLDS
+        allowed = benchmarks | {"envs.llm_users"} if m == "envs" else NAMED.get(m, set())   # envs names them: WORLDS,
+                                                                                            # USER_KINDS
         assert batteries <= allowed, (m, batteries - allowed)
         seams = reached & {"sampler", "common"}
         assert seams <= SEAMS.get(m, set()), (m, seams)

@@ -84,7 +84,7 @@ def test_the_curious_persona_withholds_ids_answers_one_fact_and_asks_back():
     gives, it reveals one asked fact at a time (the last asked), and meets the first request to confirm with a
     question; asked again, it decides by ScriptedUser's rule, then waits for the report."""
     task = next(t for t in ours.make_tasks("retail", "test", 8) if t.scenario == "cancel_order")
-    u = users.make_user("scripted:curious", task, seed=2)
+    u = envs.make_user("scripted:curious", task, seed=2)
     first = u.first_message()
     assert u.behaviour.opens == "request" and "cancel" in first
     assert not any(v in first for v in task.hidden_facts.values())            # the default opening names them
@@ -97,4 +97,4 @@ def test_the_curious_persona_withholds_ids_answers_one_fact_and_asks_back():
     assert u.reply(say(confirm)) in users.WORDS["other"].yes
     assert users.STOP not in u.reply(say("One moment."))
     assert users.STOP in u.reply(say(oracle.report(task)))
-    assert users.make_user("scripted", task, seed=2).first_message() != first
+    assert envs.make_user("scripted", task, seed=2).first_message() != first

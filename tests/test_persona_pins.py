@@ -20,6 +20,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import envs  # noqa: E402
 from envs import ours, oracle  # noqa: E402
 import rollout  # noqa: E402
 import users  # noqa: E402
@@ -41,7 +42,7 @@ def pinned_tasks():
 
 def gold_conversation(name, task, seed, cap=30):
     """The persona's messages against the gold agent (its tool calls answered by a fresh env), to a stop or cap."""
-    env, user = ours.Env(task), users.make_user(f"scripted:{name}", task, seed)
+    env, user = ours.Env(task), envs.make_user(f"scripted:{name}", task, seed)
     messages, said = [{"role": "user", "content": user.first_message()}], []
     said.append(messages[0]["content"])
     for _ in range(cap):
@@ -71,7 +72,7 @@ def probe_script(task):
 
 
 def probe_conversation(name, task, seed):
-    user = users.make_user(f"scripted:{name}", task, seed)
+    user = envs.make_user(f"scripted:{name}", task, seed)
     messages = [{"role": "user", "content": user.first_message()}]
     said = [messages[0]["content"]]
     for text in probe_script(task):

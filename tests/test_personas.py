@@ -60,15 +60,15 @@ def test_a_held_out_persona_keeps_a_value_no_training_row_can_draw():
 
 def test_scripted_population_draws_a_row_per_conversation_by_seed():
     task = task_of("change_order_payment")
-    rows = {s: users.make_user("scripted:population", task, seed=s).behaviour for s in range(400)}
+    rows = {s: envs.make_user("scripted:population", task, seed=s).behaviour for s in range(400)}
     assert set(rows.values()) == set(users.population())                     # 400 draws reach all of them
-    assert all(users.make_user("scripted:population", task, seed=s).behaviour == r for s, r in rows.items())
-    assert {users.make_user("scripted:population", task, seed=s).label for s in range(5)} == {"population"}
+    assert all(envs.make_user("scripted:population", task, seed=s).behaviour == r for s, r in rows.items())
+    assert {envs.make_user("scripted:population", task, seed=s).label for s in range(5)} == {"population"}
 
 
 def test_a_row_written_out_is_a_user_and_training_refuses_a_held_out_value(capsys):
     task = task_of("change_order_payment")
-    u = users.make_user("scripted:gives=one_last/words=other", task, seed=0)
+    u = envs.make_user("scripted:gives=one_last/words=other", task, seed=0)
     assert u.behaviour == users.PERSONAS["default"]._replace(gives="one_last", words="other")
     for spec in ("scripted:population", "scripted:train", "scripted:chatty", "scripted:gives=one_first/words=casual"):
         assert _check(spec, training=True) is None, spec
@@ -95,7 +95,7 @@ def test_each_persona_is_deterministic_given_its_seed_and_varies_with_it(name):
 
 def test_terse_gives_every_fact_at_the_first_question_in_bare_words():
     task = task_of("exchange_item")
-    u = users.make_user("scripted:terse", task, seed=0)
+    u = envs.make_user("scripted:terse", task, seed=0)
     r = u.reply(say("Please give me your email address."))
     assert all(str(v) in r for v in task.hidden_facts.values()), r              # everything, asked or not
     assert not r.lower().startswith(("hi", "hello", "my ")) and len(r.split()) < 8 * len(task.hidden_facts)
@@ -103,7 +103,7 @@ def test_terse_gives_every_fact_at_the_first_question_in_bare_words():
 
 def test_chatty_gives_one_fact_a_reply_with_an_aside_and_asks_back_before_confirming():
     task = task_of("change_order_payment")
-    u = users.make_user("scripted:chatty", task, seed=0)
+    u = envs.make_user("scripted:chatty", task, seed=0)
     first = u.first_message()
     assert any(a in first for a in users.WORDS["chatty"].asides)
     r = u.reply(say("Please give me your email address, the order id and the payment method to use."))
@@ -121,7 +121,7 @@ def test_chatty_gives_one_fact_a_reply_with_an_aside_and_asks_back_before_confir
 def test_careless_mistypes_its_first_digit_fact_and_corrects_it_next():
     task = task_of("change_order_payment")
     email = task.hidden_facts["email"]
-    u = users.make_user("scripted:careless", task, seed=0)
+    u = envs.make_user("scripted:careless", task, seed=0)
     r = u.reply(say("Please give me your email address."))
     assert email not in r and "@" in r                                            # one digit off
     wrong = re.search(r"\S+@\S+\w", r)[0]
@@ -133,14 +133,14 @@ def test_careless_mistypes_its_first_digit_fact_and_corrects_it_next():
 
 def test_literal_answers_only_a_fact_named_by_its_own_name_and_says_a_bare_no():
     task = task_of("change_order_payment")
-    u = users.make_user("scripted:literal", task, seed=0)
+    u = envs.make_user("scripted:literal", task, seed=0)
     oid = task.hidden_facts["order_id"]
     assert oid not in u.reply(say("Which order is it?"))                          # the default user would answer
-    assert oid in users.make_user("scripted", task, seed=0).reply(say("Which order is it?"))
+    assert oid in envs.make_user("scripted", task, seed=0).reply(say("Which order is it?"))
     assert oid in u.reply(say("Please give me the order id."))
     r = u.reply(say(f"Please confirm: pay order {oid} with another card. Yes or no?"))
     assert r in users.WORDS["formal"].no                                              # no hint at what is missing
-    assert users.make_user("scripted", task, seed=0).reply(
+    assert envs.make_user("scripted", task, seed=0).reply(
         say(f"Please confirm: pay order {oid} with another card. Yes or no?")) not in users.WORDS["plain"].no
     assert u.reply(say(oracle.confirmation(task, task.gold_actions[-1]))) in users.WORDS["formal"].yes
 
@@ -157,10 +157,10 @@ def test_the_gold_agent_reads_a_yes_only_in_a_personas_yes():
 
 def test_scripted_train_draws_a_training_persona_per_conversation_by_seed():
     task = task_of("cancel_order")
-    drawn = {s: users.make_user("scripted:train", task, seed=s).label for s in range(60)}
+    drawn = {s: envs.make_user("scripted:train", task, seed=s).label for s in range(60)}
     assert set(drawn.values()) == set(TRAIN)                                         # every one, none held out
-    assert all(users.make_user("scripted:train", task, seed=s).label == n for s, n in drawn.items())   # seeded
-    held = {users.make_user("scripted:heldout", task, seed=s).label for s in range(60)}
+    assert all(envs.make_user("scripted:train", task, seed=s).label == n for s, n in drawn.items())   # seeded
+    held = {envs.make_user("scripted:heldout", task, seed=s).label for s in range(60)}
     assert held == set(HELD_OUT)
 
 
@@ -187,7 +187,7 @@ LOUD = users.Words(greet=("HEY! ",), yes=("YES, GO AHEAD.",), no=("NO!",), thank
 
 
 class ToyUser(users.User):
-    """A user kind added the README's way: a users.User subclass and a row in users.USER_KINDS. It gives every fact
+    """A user kind added the README's way: a users.User subclass, a builder, and a row in envs.USER_KINDS. It gives every fact
     in its first message and says yes to anything, then stops once it hears "Done"."""
 
     def first_message(self):
@@ -197,6 +197,10 @@ class ToyUser(users.User):
         return f"Thanks. {users.STOP}" if messages[-1]["content"].startswith("Done") else "Yes."
 
 
+def toy_user(task, seed, arg, *, env=None):
+    return ToyUser(task)
+
+
 def test_a_user_and_a_persona_added_the_readme_way_work_everywhere(monkeypatch):
     for spec in ("scripted:toy", "toy"):                       # not there yet: bad input
         assert _check(spec, training=False) == "exit 2"
@@ -204,18 +208,17 @@ def test_a_user_and_a_persona_added_the_readme_way_work_everywhere(monkeypatch):
     monkeypatch.setitem(users.AXES, "words", {**users.AXES["words"], "loud": users.Value("train", "loud")})
     monkeypatch.setitem(users.WORDS, "loud", LOUD)
     monkeypatch.setitem(users.PERSONAS, "toy", users.PERSONAS["default"]._replace(words="loud"))
-    monkeypatch.setitem(users.USER_KINDS, "toy", users.UserKind(lambda task, seed, arg, **kw: ToyUser(task), "",
-                                                                "a toy"))
+    monkeypatch.setitem(envs.USER_KINDS, "toy", envs.UserKind(f"{__name__}:toy_user", "", "a toy"))
     for spec in ("scripted:toy", "toy", "scripted:train"):
         assert _check(spec, training=True) is None, spec       # sft.py and rl.py may train on them
-    assert "toy" in users.user_help() and "toy" in users.persona_table()
-    assert "toy" in {users.make_user("scripted:train", task_of("cancel_order"), seed=s).label for s in range(80)}
-    assert "loud" in {users.make_user("scripted:population", task_of("cancel_order"), seed=s).behaviour.words
+    assert "toy" in envs.user_help() and "toy" in users.persona_table()
+    assert "toy" in {envs.make_user("scripted:train", task_of("cancel_order"), seed=s).label for s in range(80)}
+    assert "loud" in {envs.make_user("scripted:population", task_of("cancel_order"), seed=s).behaviour.words
                       for s in range(200)}                                   # the population draws the new value
     tok = rollout.load_tokenizer()
     tasks = ours.make_tasks("retail", "test", 2, ["medium"])
     for spec, cls in (("scripted:toy", users.ScriptedUser), ("toy", ToyUser)):
-        assert type(users.make_user(spec, tasks[0], seed=0)) is cls
+        assert type(envs.make_user(spec, tasks[0], seed=0)) is cls
         trajs = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, user=envs.UserFactory(spec), progress=False,
                                      max_turns=30, max_context=8192)
         assert [t.reward for t in trajs] == [1.0, 1.0], [t.diff for t in trajs]
@@ -237,7 +240,7 @@ def gold_episode(task, spec, seed, cap=CAP):
     -> (reward, agent turns, stop reason, what a careful agent would not have done: a hidden fact used in a call
     before the user told it (the gold agent knows every value, a careful agent only what it was told, so it must ask
     until it hears it), a write before the user said yes to it)."""
-    env, user = ours.Env(task), users.make_user(spec, task, seed)
+    env, user = ours.Env(task), envs.make_user(spec, task, seed)
     messages, turns, stop, guessed = [{"role": "user", "content": user.first_message()}], 0, "max_turns", []
     writes = 0
     while turns < cap:

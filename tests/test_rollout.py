@@ -15,7 +15,7 @@ import rollout
 import users
 from rollout import ChatFormat, TextAgent, parse_tool_calls, run_episodes
 from sampler import ModelAgent
-from users import STOP, WORDS, NoUser, ScriptedUser, make_user
+from users import STOP, WORDS, NoUser, ScriptedUser
 
 
 def tasks_by_scenario(domain, n=14):
@@ -200,11 +200,11 @@ def test_scripted_user_is_seeded_and_varied():
 
 def test_no_user_gives_everything_up_front():
     task = tasks_by_scenario("airline")[1]
-    first = make_user("none", task, 0).first_message()
+    first = envs.make_user("none", task, 0).first_message()
     assert task.instruction in first and all(v in first for v in task.hidden_facts.values())
-    assert isinstance(make_user("none", task, 0), NoUser) and make_user("none", task, 0).ends_on_text
+    assert isinstance(envs.make_user("none", task, 0), NoUser) and envs.make_user("none", task, 0).ends_on_text
     with pytest.raises(SystemExit):
-        make_user("telepathic", task, 0)
+        envs.make_user("telepathic", task, 0)
 
 
 # ----------------------------------------------------------------------------- agents and the loop

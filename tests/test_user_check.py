@@ -1,8 +1,8 @@
-"""The check on an LLM user's message (users.check_turn, run by rollout.check_replies): it flags each way a user
+"""The check on an LLM user's message (envs/llm_users.py: check_turn, run by CheckedUser): it flags each way a user
 breaks (a stop before the needed write, a fact the task does not hold, the agent's voice or template syntax, nothing);
 a flagged message is asked again, and an episode whose user still breaks is left out and counted, never scored as the
 agent's; no scripted persona trips it (the gold agent fast, the SFT agent slow); a scripted run is token for token
-what it was; what the users cost is reported (users.user_report); and scripts/user_check.py, which measures the
+what it was; what the users cost is reported (llm_users.user_report); and scripts/user_check.py, which measures the
 check on a real LLM user, counts, resumes and reports what it ran.
 
 Run:  pytest tests/test_user_check.py            # ~1-2 min on 2 busy cores: the persona sweep is most of it
@@ -21,6 +21,7 @@ import torch
 import envs
 import rollout
 import users as U
+from envs import llm_users as L
 from chat_server import FakeServer
 from fault_server import BREAKS, FaultServer
 
@@ -42,7 +43,7 @@ def view(*agent_said, task=ORDER):
 def check(said, messages=(), task=ORDER, writes=0):
     env = envs.make_env(task)
     env.writes = [None] * writes               # the writes made so far: all check_turn reads of them is how many
-    return U.check_turn(task, env, list(messages), said)
+    return L.check_turn(task, env, list(messages), said)
 
 
 # ---------------------------------------------------------------- the rule, case by case
@@ -73,7 +74,7 @@ def test_a_value_the_task_does_not_hold_is_flagged_and_a_typo_or_an_echo_is_not(
     assert check(f"My order id is {typo}.") == "" and check(f"My order id is {two_off}.") == "wrong_fact"
     assert check("It cost $54.27.") == "wrong_fact" and check("It cost $54.27.", view("Your total is 54.27.")) == ""
     assert check("I need it within 30-day returns, in 2024.") == ""              # no fact value: not a code
-    assert U.stated_values("Mail a.b@c.com, $1,054.2, #W1234567, 12345; 30-day, 2024") == \
+    assert L.stated_values("Mail a.b@c.com, $1,054.2, #W1234567, 12345; 30-day, 2024") == \
         {"a.b@c.com", "1054.20", "w1234567", "12345"}
 
 
@@ -116,7 +117,7 @@ def persona_episodes(agent, tok, tasks, trials=1, seed=1):
 
 def no_flags(episodes):
     flags = [(p, t.task_id, i, reason, t.messages[i]["content"]) for p, task, t in episodes
-             for i, reason in rollout.check_episode(task, t)]
+             for i, reason in L.check_episode(task, t)]
     turns = sum(m["role"] == "user" for _, _, t in episodes for m in t.messages)
     print(f"\n{len(episodes)} episodes, {turns} user messages checked, {len(flags)} flagged {flags[:3]}")
     return flags
@@ -151,15 +152,14 @@ def test_no_scripted_persona_trips_the_check_with_the_sft_agent(temperature):
 
 
 def test_a_checked_scripted_user_gives_the_same_trajectories_and_draws_no_random_number(tok):
-    """The check machinery on a scripted user (check_retries set, so run_episodes checks each of its messages): the
-    same tokens, messages, rewards and stop reasons as without it, nothing flagged, torch's and Python's RNG
-    untouched. (The default run never checks a scripted user; this shows it would not matter if it did.)"""
+    """The check's wrapper on a scripted user (CheckedUser: each of its messages checked): the same tokens,
+    messages, rewards and stop reasons as without it, nothing flagged, torch's and Python's RNG untouched. (A run
+    never checks a scripted user, and its episodes carry none of the check's or the cost's counters; this shows
+    the check would not matter if it did.)"""
     tasks = envs.make_tasks("retail", "train", 7) + envs.make_tasks("airline", "train", 5)
 
     def checked(task, seed, env):
-        user = U.make_user("scripted:train", task, seed)
-        user.check_retries = 2
-        return user
+        return L.CheckedUser(envs.make_user("scripted:train", task, seed), env, 2)
     plain = rollout.run_episodes(rollout.OracleAgent(tok), tok, tasks, group_size=2,
                                  user=envs.UserFactory("scripted:train"), seed=5, progress=False,
                                  max_turns=30, max_context=8192)
@@ -169,7 +169,10 @@ def test_a_checked_scripted_user_gives_the_same_trajectories_and_draws_no_random
     assert random.getstate() == states[0] and torch.equal(torch.get_rng_state(), states[1])
     assert [(t.token_ids, t.loss_mask, t.messages, t.reward, t.stop_reason) for t in same] == \
         [(t.token_ids, t.loss_mask, t.messages, t.reward, t.stop_reason) for t in plain]
-    assert all(t.stats["user_flags"] == {} and t.stats["user_asked_again"] == 0 and not t.failed for t in same)
+    assert all(t.stats["user_flags"] == {} and t.stats["user_asked_again"] == 0 and t.stats["user_checks"] == []
+               and not t.failed for t in same)
+    assert not {"user_flags", "user_asked_again", "user_checks", "user_usage"} & {k for t in plain for k in t.stats}
+    assert L.user_report(plain, wall_s=10.0) == {}                  # and a step's line shows no users' cost
 
 
 # ---------------------------------------------------------------- a user server that breaks, on a schedule
@@ -206,9 +209,10 @@ def test_each_kind_of_break_is_caught_and_a_re_ask_that_mends_it_gives_the_clean
                                                                       for t in clean[0]]
     assert [t.stats["user_flags"] for t in trajs] == [{reason: 2}] + [{reason: 1}] * (len(tasks) - 1)
     assert all(not t.failed and t.stats["user_asked_again"] == sum(t.stats["user_flags"].values()) for t in trajs)
-    shown = [m for t in trajs for m in t.messages if m.get("flagged")]
-    assert [f["said"] for m in shown for f in m["flagged"]] == [BREAKS[reason]] * (len(tasks) + 1)
-    report = U.user_report(trajs, wall_s=10.0)
+    shown = [c for t in trajs for c in t.stats["user_checks"]]       # the message each try stands before
+    assert [f["said"] for c in shown for f in c["flagged"]] == [BREAKS[reason]] * (len(tasks) + 1)
+    assert all(t.messages[c["at"]]["role"] == "user" for t in trajs for c in t.stats["user_checks"])
+    report = L.user_report(trajs, wall_s=10.0)
     assert report["user_flags"] == {reason: len(tasks) + 1} and report["user_asked_again"] == len(tasks) + 1
     assert report["left_out"] == {} and report["user_requests"] == srv.requests
 
@@ -230,10 +234,10 @@ def test_a_user_that_never_mends_is_left_out_counted_and_never_scored_as_the_age
     assert len(trajs) == len(tasks) and [t.failed for t in trajs] == ["", "user_broke", "", ""]
     assert broke.stop_reason == "error" and broke.stats["user_broke"] == "early_stop" and "UserBroke" in broke.stats["error"]
     assert broke.stats["user_flags"] == {"early_stop": 3} and broke.stats["user_asked_again"] == 2
-    assert broke.messages[-1] == {"role": "user", "content": "", "broke": "early_stop",
-                                  "flagged": [{"said": BREAKS["early_stop"], "reason": "early_stop"}] * 3}
+    assert broke.stats["user_checks"] == [{"at": len(broke.messages), "broke": "early_stop",   # no message reached
+                                           "flagged": [{"said": BREAKS["early_stop"], "reason": "early_stop"}] * 3}]
     assert all(t.reward == 1.0 for t in trajs if not t.failed)
-    assert U.user_report(trajs)["left_out"] == {"early_stop": 1}
+    assert L.user_report(trajs)["left_out"] == {"early_stop": 1}
     assert [t.task_id for t in left] == [tasks[1].id] and tasks[1].id not in {t.task_id for g in drawn for t in g}
 
     args.max_sim_failures = 0.2                                     # 1 of 4 left out is more than that: one line
@@ -271,13 +275,13 @@ def test_a_re_ask_sends_the_flagged_message_the_correction_and_a_seeded_higher_t
     """What OpenAIUser.ask_again sends: the chat, then its flagged message and the reason's correction; temperature
     users.AGAIN_TEMPERATURE and the attempt as the seed (a reproducible draw, not the same greedy answer)."""
     with FakeServer("ok") as srv:
-        user = U.OpenAIUser(ORDER, "m", base_url=srv.url, api_key="k", timeout=2.0)
+        user = L.OpenAIUser(ORDER, "m", base_url=srv.url, api_key="k", timeout=2.0)
         user.ask_again(view(CONFIRM), "Yes. ###STOP###", "early_stop", 2)
         user.reply(view(CONFIRM))
     again, plain = (r["body"] for r in srv.requests)
-    assert again["messages"] == U.user_sim_messages(ORDER, view(CONFIRM)) + [
-        {"role": "assistant", "content": "Yes. ###STOP###"}, {"role": "system", "content": U.CORRECTIONS["early_stop"]}]
-    assert (again["temperature"], again["seed"]) == (U.AGAIN_TEMPERATURE, 2)
+    assert again["messages"] == L.user_sim_messages(ORDER, view(CONFIRM)) + [
+        {"role": "assistant", "content": "Yes. ###STOP###"}, {"role": "system", "content": L.CORRECTIONS["early_stop"]}]
+    assert (again["temperature"], again["seed"]) == (L.AGAIN_TEMPERATURE, 2)
     assert plain["temperature"] == 0.0 and "seed" not in plain
 
 

@@ -20,6 +20,7 @@ import pytest
 import envs
 import rollout
 import users as U
+from envs import llm_users as L
 from fault_server import FAULTS, FaultServer, scripted_answer
 
 
@@ -69,7 +70,7 @@ def test_the_fault_servers_user_says_what_the_scripted_user_would(tok, tasks, cl
     assert checked >= 2 * len(clean)
     t = clean[0]                                       # the server's own function, called directly
     i = next(i for i, m in enumerate(t.messages) if i > 1 and m["role"] == "user")
-    assert scripted_answer(tasks[0], U.user_sim_messages(tasks[0], t.messages[1:i])) == t.messages[i]["content"]
+    assert scripted_answer(tasks[0], L.user_sim_messages(tasks[0], t.messages[1:i])) == t.messages[i]["content"]
 
 
 # ---------------------------------------------------------------- each fault once: retried, counted, no token changed
@@ -87,16 +88,16 @@ def test_each_fault_once_is_retried_and_the_round_is_token_for_token_the_clean_o
 def test_a_429_waits_what_its_retry_after_says(tasks):
     """The client's own backoff would wait 0.375-0.5 s; Retry-After says 1.2 s."""
     with FaultServer(tasks, script=["429"], retry_after=1.2) as srv:
-        user = U.OpenAIUser(tasks[0], "scripted", base_url=srv.url, api_key="k", timeout=5.0, max_retries=2)
+        user = L.OpenAIUser(tasks[0], "scripted", base_url=srv.url, api_key="k", timeout=5.0, max_retries=2)
         t0 = time.time()
-        assert user.first_message() == scripted_answer(tasks[0], U.user_sim_messages(tasks[0], []))
+        assert user.first_message() == scripted_answer(tasks[0], L.user_sim_messages(tasks[0], []))
         elapsed = time.time() - t0
     assert 1.2 <= elapsed < 2.0 and user.usage["requests"] == 2 and user.usage["retries"] == 1
 
 
 def test_a_bad_body_every_time_fails_after_max_retries_with_one_clear_error(tasks):
     with FaultServer(tasks, script=["empty", "garbage", "empty"]) as srv:
-        user = U.OpenAIUser(tasks[0], "scripted", base_url=srv.url, api_key="k", timeout=5.0, max_retries=2)
+        user = L.OpenAIUser(tasks[0], "scripted", base_url=srv.url, api_key="k", timeout=5.0, max_retries=2)
         with pytest.raises(U.UserSimulatorError, match=r"after 3 attempt\(s\): ValueError: no message") as err:
             user.first_message()
     assert srv.requests == 3 and srv.url in str(err.value)

@@ -12,8 +12,10 @@ import types
 import pytest
 import torch
 
+import envs
 import rollout
 import users as U
+from envs import llm_users as L
 from chat_server import FakeServer
 
 TASK = types.SimpleNamespace(
@@ -37,7 +39,7 @@ AGENT_VIEW = [
 
 def user_for(url, **kw):
     kw = {"timeout": 2.0, "max_retries": 3, **kw}
-    return U.OpenAIUser(TASK, "sim-model", base_url=url, api_key="test-key", **kw)
+    return L.OpenAIUser(TASK, "sim-model", base_url=url, api_key="test-key", **kw)
 
 
 def free_port() -> int:
@@ -49,7 +51,7 @@ def free_port() -> int:
 # ---------------------------------------------------------------- prompt: what the simulator sees
 
 def test_roles_flipped_and_no_tools_in_simulator_chat():
-    chat = U.user_sim_messages(TASK, AGENT_VIEW)
+    chat = L.user_sim_messages(TASK, AGENT_VIEW)
     assert chat[0]["role"] == "system" and TASK.instruction in chat[0]["content"]
     assert [m["role"] for m in chat] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert chat[2]["content"] == AGENT_VIEW[0]["content"]             # its own opening is "assistant"
@@ -67,7 +69,7 @@ def test_request_carries_flipped_chat_no_tools_and_counts_tokens():
     assert len(srv.requests) == 2 and srv.requests[0]["path"] == "/v1/chat/completions"
     body = srv.requests[1]["body"]
     assert "tools" not in body and body["model"] == "sim-model"
-    assert body["messages"] == U.user_sim_messages(TASK, AGENT_VIEW)
+    assert body["messages"] == L.user_sim_messages(TASK, AGENT_VIEW)
     assert [m["role"] for m in srv.requests[0]["body"]["messages"]] == ["system", "user"]
     assert srv.requests[0]["auth"] == "Bearer test-key"
     assert user.usage == {"prompt_tokens": 100, "completion_tokens": 14, "requests": 2, "retries": 0}
@@ -75,8 +77,8 @@ def test_request_carries_flipped_chat_no_tools_and_counts_tokens():
 
 def test_make_user_builds_openai_user():
     with FakeServer("ok") as srv:
-        user = U.make_user("openai:sim-model", TASK, seed=0, base_url=srv.url, api_key="k", timeout=2.0)
-        assert isinstance(user, U.OpenAIUser) and user.first_message() == "Yes, please cancel it."
+        user = envs.make_user("openai:sim-model", TASK, seed=0, base_url=srv.url, api_key="k", timeout=2.0)
+        assert isinstance(user, L.OpenAIUser) and user.first_message() == "Yes, please cancel it."
     assert srv.requests[0]["body"]["model"] == "sim-model"
 
 
@@ -84,7 +86,7 @@ def test_base_url_and_key_from_environment(monkeypatch):
     with FakeServer("ok") as srv:
         monkeypatch.setenv("OPENAI_BASE_URL", srv.url)
         monkeypatch.setenv("OPENAI_API_KEY", "env-key")
-        assert U.OpenAIUser(TASK, "m", timeout=2.0).first_message() == "Yes, please cancel it."
+        assert L.OpenAIUser(TASK, "m", timeout=2.0).first_message() == "Yes, please cancel it."
     assert srv.requests[0]["auth"] == "Bearer env-key"
 
 
@@ -240,7 +242,7 @@ def test_local_user_returns_text_and_never_sees_tools():
     model = tiny_random_llama(tok)
     seen, generate = [], model.generate
     model.generate = lambda ids, **kw: seen.append(ids) or generate(ids, **kw)   # record the prompt
-    user = U.LocalUser(TASK, model, tok, max_new_tokens=8)
+    user = L.LocalUser(TASK, model, tok, max_new_tokens=8)
     first, second = user.first_message(), user.reply(AGENT_VIEW)
     assert isinstance(first, str) and isinstance(second, str)
     prompt = tok.decode(seen[1][0])
@@ -270,7 +272,7 @@ def test_local_user_plays_whole_episodes_in_run_episodes():
 
 @pytest.mark.slow
 def test_openai_user_against_llama_cpp_server(llama_server):
-    user = U.OpenAIUser(TASK, "smollm2", base_url=llama_server, api_key="none",
+    user = L.OpenAIUser(TASK, "smollm2", base_url=llama_server, api_key="none",
                         timeout=120.0, max_retries=1, max_tokens=48)
     first = user.first_message()
     messages = [{"role": "user", "content": first},
@@ -281,7 +283,7 @@ def test_openai_user_against_llama_cpp_server(llama_server):
     for said in (first, second):     # what reaches the agent is a user's plain text: no template, role or tool syntax
         assert not any(t in said for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "<think>")), said
         assert not said.lower().lstrip().startswith(("assistant:", "user:", "system:")), said
-    assert first.strip() != U.AGENT_GREETING and U.STOP not in first     # the user opens; it does not echo or end
+    assert first.strip() != L.AGENT_GREETING and U.STOP not in first     # the user opens; it does not echo or end
     assert second != first                                               # it answered the agent's new question
     assert user.usage["requests"] == 2 and user.usage["retries"] == 0
     assert user.usage["prompt_tokens"] > 100 and 0 < user.usage["completion_tokens"] <= 96

@@ -283,17 +283,18 @@ def test_eval_page_pairs_the_episodes_where_agents_differ(tmp_path):
 
 
 def test_a_flagged_user_message_and_a_user_that_broke_the_check_are_marked_with_their_reasons(tmp_path):
-    """The tries the check flagged (rollout.check_replies) stand before the message that passed, each with its reason;
-    an episode whose user broke the check ends on its tries, marked left out. The tokens are still exactly the
-    trajectory's, and what the user wrote is escaped."""
+    """The tries the check flagged (a CheckedUser's stats["user_checks"]) stand before the message that passed, each
+    with its reason; an episode whose user broke the check ends on its tries, marked left out. The tokens are still
+    exactly the trajectory's, and what the user wrote is escaped."""
     D = [11]
     mended, broke = made("T1", 0, 0, 1.0, [D, D]), made("T1", 0, 1, 0.0, [D], failed="user_broke")
-    mended.messages[3]["flagged"] = [{"said": f"{SCRIPT} my id is #W0000001", "reason": "wrong_fact"}]
-    mended.stats = {"user_flags": {"wrong_fact": 1}, "user_asked_again": 1}
-    broke.messages[-1] = {"role": "user", "content": "", "broke": "early_stop",
-                          "flagged": [{"said": f"Yes {SCRIPT} ###STOP###", "reason": "early_stop"}] * 3}
+    mended.stats = {"user_flags": {"wrong_fact": 1}, "user_asked_again": 1, "user_checks": [
+        {"at": 3, "flagged": [{"said": f"{SCRIPT} my id is #W0000001", "reason": "wrong_fact"}]}]}
+    broke.messages.pop()                                  # the reply that broke never reached the conversation
     broke.stop_reason, broke.stats = "error", {"user_flags": {"early_stop": 3}, "user_broke": "early_stop",
-                                               "error": "UserBroke: the user broke the check (early_stop) 3 time(s)"}
+                                               "error": "UserBroke: the user broke the check (early_stop) 3 time(s)",
+                                               "user_checks": [{"at": 3, "broke": "early_stop", "flagged": [
+                                                   {"said": f"Yes {SCRIPT} ###STOP###", "reason": "early_stop"}] * 3}]}
     ev.save_episodes(str(tmp_path / "episodes_sft.jsonl"), "sft", [mended, broke])
     json.dump({"agents": "sft"}, open(tmp_path / "args.json", "w"))
     html, n = viewer.build(str(tmp_path), FAKE)

@@ -39,6 +39,7 @@ import sys
 from dataclasses import dataclass, field
 
 import users
+from envs import llm_users
 from envs.ours import Score, cut_short
 
 DOMAINS = ("acebench-multi-turn", "acebench-multi-step")
@@ -336,7 +337,7 @@ def _ended(text: str) -> str:
     return f"{text} {users.STOP}" if FINISH in text.lower() and users.STOP not in text else text
 
 
-class AceUser(users.OpenAIUser):
+class AceUser(llm_users.OpenAIUser):
     """ACEBench's user through an OpenAI-compatible endpoint: its prompt, the agent's greeting, then the agent's
     visible text as "user" turns and its own as "assistant" turns. "finish conversation" from either side ends
     the episode, as in ACEBench's runner."""
@@ -345,7 +346,7 @@ class AceUser(users.OpenAIUser):
         said = [users.visible_text(m.get("content")) for m in messages if m["role"] == "assistant"]
         if said and FINISH in said[-1].lower():
             return f"{FINISH} {users.STOP}"
-        chat = users.user_sim_messages(self.task, messages)
+        chat = llm_users.user_sim_messages(self.task, messages)
         chat[:2] = [{"role": "system", "content": user_prompt(self.task)}, {"role": "user", "content": GREETING}]
         return _ended((self._request(chat).content or "").strip())
 
@@ -375,8 +376,8 @@ def make_user(spec: str, task: AceTask, seed: int = 0, env=None, **kw) -> users.
     """Multi-step: no user, whatever spec. Multi-turn: "openai:MODEL" (ACEBench's user) or "oracle"."""
     if task.tier == "multi-step":
         return StepUser(task)
-    if spec.startswith("openai:"):
-        return AceUser(task, spec.split(":", 1)[1], **kw | {"check_retries": None})   # unchecked, as τ²'s user
+    if spec.startswith("openai:"):                   # unchecked (no check_retries), as τ²'s user
+        return AceUser(task, spec.split(":", 1)[1], **{k: v for k, v in kw.items() if k != "check_retries"})
     if spec == "oracle":
         return OracleUser(task)
     raise SystemExit(f"user {spec!r} cannot play an ACEBench case: use --user openai:MODEL (ACEBench's own user "

@@ -23,6 +23,7 @@ import pickle
 from dataclasses import dataclass, field
 
 import users
+from envs import llm_users
 from envs.ours import Score, cut_short
 
 DOMAINS = ("tau2-retail", "tau2-airline", "tau2-telecom")
@@ -233,10 +234,11 @@ def _ended(text: str) -> str:
 def make_user(spec: str, task: Tau2Task, seed: int = 0, env: Tau2Env | None = None, **kw):
     """envs.make_user for a τ² task: "openai:MODEL" (τ²'s user played by our LLM user) or "oracle"."""
     if env is None:
-        raise SystemExit("a τ² user needs its rollout's env (users.make_user(..., env=env))")
+        raise SystemExit("a τ² user needs its rollout's env (envs.UserFactory(spec)(task, seed, env))")
     if spec.startswith("openai:"):
-        # unchecked: users.check_turn reads our tasks' facts and writes; τ²'s scenarios are free text
-        return Tau2User(task, spec.split(":", 1)[1], env=env, **kw | {"check_retries": None})
+        # unchecked (no check_retries): llm_users.check_turn reads our tasks' facts and writes; τ²'s scenarios are
+        # free text
+        return Tau2User(task, spec.split(":", 1)[1], env=env, **{k: v for k, v in kw.items() if k != "check_retries"})
     if spec == "oracle":
         return OracleUser(task, env)
     raise SystemExit(f"user {spec!r} cannot play a τ² task: the scripted user (and none, local) read our "
@@ -244,7 +246,7 @@ def make_user(spec: str, task: Tau2Task, seed: int = 0, env: Tau2Env | None = No
                      "for a local server), or --user oracle with the oracle agent")
 
 
-class Tau2User(users.OpenAIUser):
+class Tau2User(llm_users.OpenAIUser):
     """τ²'s user, played through an OpenAI-compatible endpoint. Its chat: τ²'s system prompt, the agent's
     greeting, then the agent's visible text as "user" turns and its own messages as "assistant" turns.
     In telecom it is given the phone's tools (OpenAI tools API); a reply that calls them runs them on the
@@ -256,7 +258,7 @@ class Tau2User(users.OpenAIUser):
         super().__init__(task, model, **kw)
         self.env, self.user_tools = env, env.user_tools or None
         self.chat = [{"role": "system", "content": user_system_prompt(task, bool(self.user_tools))},
-                     {"role": "user", "content": users.AGENT_GREETING}]
+                     {"role": "user", "content": llm_users.AGENT_GREETING}]
         self.seen = 0                   # agent-view messages already in self.chat
 
     def _complete(self, messages: list[dict]) -> str:
