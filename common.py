@@ -15,12 +15,10 @@
   figure, save_figure                     matplotlib without a display
   save_checkpoint, resume                 one checkpoint layout: the last two kept, the newest verified, and
                                           one way to resume from it (adapter, optimizer, scheduler, RNG, metrics)
-  sequence_logprobs, cut_shared_prefix,   the training passes of sft.py and rl.py's fast pass: each domain's system
-  shared_prefix_logprobs                  prompt through the model once a pass, the lm_head in chunks
+The training passes (micro-batches, pi_ref, the fast log-prob pass) are kernels/passes.py.
 A stage imports this file, the world (envs) and the loop (rollout); never another stage.
 """
 import argparse
-import itertools
 import json
 import math
 import os
@@ -29,7 +27,6 @@ import shutil
 import sys
 
 import torch
-import torch.nn.functional as F
 
 # The CPU presets' tasks and episode limits, shared so that RL trains on what eval measures. The tasks: one
 # medium-tier scenario a domain, whose opening withholds the ids (the user must be asked) and whose write takes one
@@ -468,120 +465,3 @@ def resume(out, model, optimizer, scheduler=None) -> tuple[int, list[dict]]:
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in metrics)
     return start, metrics
-
-
-# ----------------------------------------------------------------------------- training passes
-# sft.py and rl.py (--logprob-pass fast) train on micro-batches of trajectories (rollout.micro_batches), most rows
-# starting with their domain's system prompt. What follows cuts that shared prefix off and runs it once a pass, and
-# gives the per-token log-probs of the tokens that were sampled (kernels.masked_logprobs_chunked under the lm_head).
-
-def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, *, chunk=4096,
-                      past_key_values=None):
-    """out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where loss_mask[b, t] == 1, else 0. (B, T) fp32.
-
-    model: a HF causal LM or a peft model wrapping one. LoRA is active unless called inside
-    `with model.disable_adapter():` (the reference policy). Runs the decoder body only, then the
-    chunked path with the lm_head weight, so (B, T, V) logits are never materialised.
-    Positions count real tokens (attention_mask.cumsum - 1), as HF generate does with left padding;
-    for right-padded sequences that start at position 0 they are simply 0, 1, 2, ...
-    Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
-    past_key_values: a cache of P tokens that every row continues (see shared_prefix_logprobs);
-    positions then start at P, and column 0 is still 0 (its context ends inside the cache).
-    """
-    # imported here, not at the top: importing common must not import triton, so that scripts/gpu_check.py --cpu
-    # can set TRITON_INTERPRET first
-    from kernels import masked_logprobs_chunked
-    body, lm_head = model.get_decoder(), model.get_output_embeddings()
-    if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
-        raise ValueError(f"sequence_logprobs needs a plain bias-free nn.Linear lm_head, got {type(lm_head).__name__}"
-                         " (LoRA on lm_head or a quantized lm_head is not supported)")
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError("models with final_logit_softcapping are not supported by sequence_logprobs")
-    attention_mask = torch.as_tensor(attention_mask, device=input_ids.device).long()
-    loss_mask = torch.as_tensor(loss_mask, device=input_ids.device)
-    P = 0 if past_key_values is None else past_key_values.get_seq_length()
-    if P and loss_mask[:, 0].any():
-        raise ValueError("loss_mask[:, 0] must be 0 after a cached prefix: the prefix must end before the "
-                         "first trained token (see shared_prefix_len)")
-    positions = P + (attention_mask.cumsum(-1) - 1).clamp(min=0)  # same ids the sampler used
-    full_mask = F.pad(attention_mask, (P, 0), value=1)             # the cached prefix is all real tokens
-    hidden = body(input_ids=input_ids, attention_mask=full_mask, position_ids=positions,
-                  past_key_values=past_key_values, use_cache=past_key_values is not None).last_hidden_state
-    B, T, H = hidden.shape
-    # the hidden state at t-1 predicts token t
-    mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
-    lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
-                                 mask.reshape(-1), temperature, chunk)
-    return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
-
-
-def cut_shared_prefix(micro: list) -> list:
-    """rollout.micro_batches with the tokens each key's rows all start with and none trains on (shared_prefix_len)
-    cut off the rows and kept once, as the micro-batches' prefix: shared_prefix_logprobs runs it once a pass."""
-    out = []
-    for _, run in itertools.groupby(micro, key=lambda b: b.key):     # a key's micro-batches are consecutive
-        run = list(run)
-        rows = [(b.ids[r, :n].tolist(), b.mask[r, :n].tolist()) for b in run for r, n in enumerate(b.attn.sum(1))]
-        P = shared_prefix_len([ids for ids, _ in rows], [mask for _, mask in rows])
-        prefix = run[0].ids[0, :P].clone()                                       # (P,) long, one tensor for the key
-        out += [b._replace(ids=b.ids[:, P:].contiguous(), attn=b.attn[:, P:].contiguous(),
-                           mask=b.mask[:, P:].contiguous(), prefix=prefix) for b in run]
-    return out
-
-
-def shared_prefix_logprobs(model, micro: list, temperature=1.0, chunk=4096):
-    """sequence_logprobs of each micro-batch micro[j], a key's prefix (cut_shared_prefix) through the model
-    once, not once per row. A generator of (j, logp (b, T - P)). With grad on (training), take each logp's backward
-    before the next one comes: the rows run against detached copies of the prefix's keys/values, whose gradients
-    add up, and after a key's last micro-batch one backward takes them through the prefix. Exact: the gradient of
-    one full pass per row. Under no_grad it is a forward of every row, the prefix once.
-
-        for j, logp in shared_prefix_logprobs(model, micro):
-            loss_of(logp, micro[j]).backward()
-
-    Needs activation checkpointing off when P > 0 (transformers drops the cache inside checkpointed layers)."""
-    for _, run in itertools.groupby(range(len(micro)), key=lambda j: micro[j].key):
-        run = list(run)
-        prefix = micro[run[0]].prefix
-        if prefix is not None and len(prefix) and model.training and \
-                any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-            raise ValueError("shared_prefix_logprobs needs gradient checkpointing off: transformers ignores "
-                             "past_key_values in checkpointed layers")
-        kv = _prefix_kv(model, prefix)                                           # in the graph when grad is on
-        leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
-                  for k, v in kv]
-        for j in run:
-            b = micro[j]
-            yield j, sequence_logprobs(model, b.ids, b.attn, b.mask, temperature, chunk=chunk,
-                                       past_key_values=_cache(leaves, len(b.ids)))
-        if kv and kv[0][0].requires_grad:
-            torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])
-
-
-def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -> int:
-    """How many leading tokens all sequences share and none is trained on, minus one: the token after
-    the prefix starts each remainder, and its log-prob needs the prefix's last hidden state."""
-    first = min(m.index(1) if 1 in m else len(m) for m in loss_masks)
-    n = 0
-    while n < min(map(len, token_ids)) and all(x[n] == token_ids[0][n] for x in token_ids):
-        n += 1
-    return max(0, min(n, first - 1))
-
-
-def _prefix_kv(model, prefix_ids):
-    """The prefix's keys and values, per layer, from one forward of the decoder (none if it is empty)."""
-    if prefix_ids is None or not len(prefix_ids):
-        return []
-    out = model.get_decoder()(input_ids=prefix_ids[None], use_cache=True)
-    return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-
-
-def _cache(kv, rows: int):
-    """A cache of the prefix for `rows` sequences (None for an empty prefix)."""
-    from transformers import DynamicCache
-    if not kv:
-        return None
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(kv):
-        cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
-    return cache

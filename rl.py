@@ -29,6 +29,7 @@ from torch.nn.utils import clip_grad_norm_
 
 import common
 import rollout
+from kernels import passes
 import sampler
 import envs
 from envs import llm_users
@@ -113,7 +114,7 @@ def parse_args(argv=None):
                    "rules compared on identical rollouts)")
     g.add_argument("--logprob-pass", default="fast", choices=["fast", "plain"], help="the update's log-probs. plain: "
                    "one forward of each whole row (plain_logprobs, the code to read); fast: each domain's system "
-                   "prompt once a pass, the lm_head in chunks (common.shared_prefix_logprobs): the same numbers up to "
+                   "prompt once a pass, the lm_head in chunks (kernels/passes.py): the same numbers up to "
                    "fp32 rounding")
     g.add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the update under bf16 "
                    "autocast (weights, AdamW, log-softmax fp32); auto: on for a CPU with AVX512-BF16 or AMX only")
@@ -221,43 +222,53 @@ def group_advantages(rewards, eps=1e-4):
 
 def mini_batches(trajs, args, pad_id, seed, device) -> list[list]:
     """--mini-batches random subsets of the rollouts (a shuffle seeded by `seed`: a rerun splits the same way), each
-    cut into micro-batches of --micro-batch, its rows grouped by domain, shortest first. A MicroBatch's rows index
-    trajs (and adv). With the fast pass, each domain's system prompt is cut out once (common.cut_shared_prefix)."""
+    cut into micro-batches of --micro-batch. The plain pass: the subset's rows in order, right-padded. The fast pass
+    (kernels/passes.py): a domain's rows together, shortest first, each domain's system prompt cut out once. A
+    MicroBatch's rows index trajs (and adv)."""
     order = list(range(len(trajs)))
     random.Random(seed).shuffle(order)
     size = math.ceil(len(order) / args.mini_batches)
+    subsets = [order[s:s + size] for s in range(0, len(order), size)]
+    if args.logprob_pass == "plain":
+        return [[padded(trajs, rows[s:s + args.micro_batch], pad_id, device)
+                 for s in range(0, len(rows), args.micro_batch)] for rows in subsets]
     ids, masks, domains = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.domain for t in trajs]
-    minis = [rollout.micro_batches(ids, masks, args.micro_batch, pad_id, domains, shortest_first=True, device=device,
-                                   rows=order[s:s + size]) for s in range(0, len(order), size)]
-    if args.logprob_pass == "fast" and args.grad_checkpointing == "off":
-        minis = [common.cut_shared_prefix(micro) for micro in minis]
+    minis = [passes.micro_batches(ids, masks, args.micro_batch, pad_id, domains, shortest_first=True, device=device,
+                                  rows=rows) for rows in subsets]
+    if args.grad_checkpointing == "off":               # checkpointed layers drop the prefix's cache: every row whole
+        minis = [passes.cut_shared_prefix(micro) for micro in minis]
     return minis
+
+
+def padded(trajs, rows, pad_id, device) -> passes.MicroBatch:
+    """The rows' token ids, attention masks and loss masks, right-padded to the longest: (b, T) each."""
+    pad = lambda seqs, value: torch.nn.utils.rnn.pad_sequence(   # noqa: E731
+        [torch.tensor(x) for x in seqs], batch_first=True, padding_value=value).to(device)
+    ids = [trajs[r].token_ids for r in rows]
+    return passes.MicroBatch(rows, pad(ids, pad_id), pad([[1] * len(x) for x in ids], 0),
+                             pad([trajs[r].loss_mask for r in rows], 0))
 
 
 def grpo_update(model, optimizer, trajs, adv, args, *, pad_id, seed, at_start=False):
     """One GRPO update on the kept groups' rollouts (advantages adv, (N,)): an AdamW step on each of mini_batches'
-    random subsets. The log-probs of the sampled tokens, (b, T) a micro-batch, come from plain_logprobs
-    (--logprob-pass fast: common.shared_prefix_logprobs, each domain's system prompt once a pass, the same numbers
-    up to rounding): logp under pi (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the frozen
-    start). -> the update's stats, summed."""
-    minis = mini_batches(trajs, args, pad_id, seed, model.device)
-    logprobs = common.shared_prefix_logprobs if args.logprob_pass == "fast" else plain_logprobs
+    random subsets. The log-probs of the sampled tokens, (b, T) a micro-batch (micro_logprobs): logp under pi
+    (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the frozen start). -> the update's stats,
+    summed."""
+    minis, fast = mini_batches(trajs, args, pad_id, seed, model.device), args.logprob_pass == "fast"
     bf16 = torch.autocast(model.device.type, torch.bfloat16, enabled=args.train_bf16 == "on")
     with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
-        logp_old = [[lp for _, lp in logprobs(model, mini, args.temperature)] for mini in minis]
-    logp_ref = logp_old            # pi_ref, the frozen start (rollout.reference_policy): pi_old until RL's first step
+        logp_old = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
+    logp_ref = logp_old            # pi_ref, the frozen start (passes.reference_policy): pi_old until RL's first step
     if not at_start:
-        with torch.no_grad(), bf16, rollout.reference_policy(model):
-            logp_ref = [[lp for _, lp in logprobs(model, mini, args.temperature)] for mini in minis]
+        with torch.no_grad(), bf16, passes.reference_policy(model):
+            logp_ref = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
     stats = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=len(minis))
     adv = adv.to(model.device)
     for mini, old, ref in zip(minis, logp_old, logp_ref):   # an AdamW step a mini-batch: pi moves from the second on
         n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
         optimizer.zero_grad(set_to_none=True)
         with bf16:
-            # logprobs yields micro-batch i's logp with grad on; its backward must run before the next one comes (the
-            # fast pass adds up the shared prefix's gradients across a domain's micro-batches, then passes them on)
-            for i, logp in logprobs(model, mini, args.temperature):
+            for i, logp in micro_logprobs(model, mini, args.temperature, fast):   # each backward before the next
                 loss, counts = grpo_loss(logp, old[i], ref[i], adv[mini[i].rows], mini[i].mask, clip=args.clip,
                                          beta=args.kl_coef, agg=args.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs)
                 loss.backward()
@@ -267,16 +278,25 @@ def grpo_update(model, optimizer, trajs, adv, args, *, pad_id, seed, at_start=Fa
     return stats
 
 
-def plain_logprobs(model, micro, temperature):
-    """For each micro-batch j of micro: (j, logp (b, T) fp32), logp[r, t] = log pi(ids[r, t] | ids[r, :t]): one
-    forward of the whole right-padded rows (positions 0, 1, 2, ..., as the sampler's), the log-softmax of position
-    t's logits scoring token t + 1, as simple_GRPO and TRL compute it. Token 0 has no context: logp 0. Pads and
-    prompt tokens get a number too; grpo_loss masks them out."""
-    for j, b in enumerate(micro):
-        logits = model(input_ids=b.ids, attention_mask=b.attn).logits[:, :-1]    # (b, T - 1, V)
-        logp = torch.stack([torch.log_softmax(row.float() / temperature, -1).gather(1, nxt[:, None]).squeeze(1)
-                            for row, nxt in zip(logits, b.ids[:, 1:])])   # row by row: a no-grad pass holds one
-        yield j, F.pad(logp, (1, 0))                                      # row's fp32 (T - 1, V) at a time, not b
+def micro_logprobs(model, mini, temperature, fast):
+    """Each micro-batch's log-probs in order, (i, logp (b, T) fp32). The plain pass (--logprob-pass plain):
+    plain_logprobs, a micro-batch at a time. The fast pass (the default; kernels/passes.py): each domain's system
+    prompt through the model once, the lm_head in chunks, the same numbers up to rounding; with grad on, each logp's
+    backward must run before the next comes (the prefix's gradient adds up across its micro-batches)."""
+    if fast:
+        return passes.shared_prefix_logprobs(model, mini, temperature)
+    return ((i, plain_logprobs(model, b, temperature)) for i, b in enumerate(mini))
+
+
+def plain_logprobs(model, b, temperature):
+    """logp (b, T) fp32 of a micro-batch b: logp[r, t] = log pi(ids[r, t] | ids[r, :t]), one forward of the whole
+    right-padded rows (positions 0, 1, 2, ..., as the sampler's), the log-softmax of position t's logits scoring
+    token t + 1, as simple_GRPO and TRL compute it. Token 0 has no context: logp 0. Pads and prompt tokens get a
+    number too; grpo_loss masks them out."""
+    logits = model(input_ids=b.ids, attention_mask=b.attn).logits[:, :-1]        # (b, T - 1, V)
+    logp = torch.stack([torch.log_softmax(row.float() / temperature, -1).gather(1, nxt[:, None]).squeeze(1)
+                        for row, nxt in zip(logits, b.ids[:, 1:])])   # row by row: a no-grad pass holds one row's
+    return F.pad(logp, (1, 0))                                        # fp32 (T - 1, V) at a time, not b
 
 
 def grpo_loss(logp, logp_old, logp_ref, adv, mask, *, clip, beta, agg, n_tokens=None, n_seqs=None):

@@ -20,7 +20,6 @@ Simplifications vs the paper
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import re
 import shutil
@@ -145,21 +144,6 @@ def load_policy(model, init: str, ref_dir: str, r: int, alpha: int, *, resuming:
         shutil.copytree(init, ref_dir, dirs_exist_ok=True)
     model.load_adapter(ref_dir, adapter_name="ref", is_trainable=False)
     return model
-
-
-@contextlib.contextmanager
-def reference_policy(model):
-    """The model as the KL reference, pi_ref: the frozen adapter "ref" (load_policy), or the base model with the
-    adapter off when RL started from a fresh LoRA."""
-    if "ref" not in getattr(model, "peft_config", {}):
-        with model.disable_adapter():
-            yield
-        return
-    model.set_adapter("ref", inference_mode=True)
-    try:
-        yield
-    finally:
-        model.set_adapter("default")          # trainable again
 
 
 @contextlib.contextmanager
@@ -320,42 +304,6 @@ class Trajectory:
             c = f"({len(m['content'])} chars: policy + tools)" if m["role"] == "system" else m["content"]
             lines.append(f"[{m['role']}] {c[:max_chars]}{' ...' if len(c) > max_chars else ''}")
         return "\n".join(lines + (["-- diff vs gold:\n" + self.diff] if self.diff else []))
-
-
-class MicroBatch(NamedTuple):
-    """Rows of a training pass: ids, attn (attention mask), mask (loss mask), each (b, T) long, right-padded.
-    key: the rows' domain. prefix: the untrained tokens all of a key's rows start with, when a pass has cut them
-    off the rows to run them once (common.cut_shared_prefix); None: nothing cut."""
-    rows: list                  # indices into the sequences given
-    ids: torch.Tensor
-    attn: torch.Tensor
-    mask: torch.Tensor
-    key: object = None
-    prefix: torch.Tensor | None = None
-
-
-def micro_batches(token_ids, loss_masks, size: int, pad_id: int, keys=None, *, shortest_first=False, max_len=None,
-                  device=None, rows=None) -> list[MicroBatch]:
-    """Sequences (each row's token ids and loss mask) -> micro-batches of `size` rows: a key's rows together (keys
-    in first-seen order), rows as given or shortest first (less padding; a stable sort), each right-padded and cut at
-    max_len. rows: which sequences, in that order (rl.py's mini-batch, a random subset); None: all. A MicroBatch's
-    rows index the sequences given. The masks come from positions, never from pad ids: SmolLM2's pad == eos ==
-    <|im_end|>, which the policy samples and is trained on."""
-    by_key, order = {}, range(len(token_ids)) if rows is None else rows
-    for i in sorted(order, key=lambda i: len(token_ids[i])) if shortest_first else order:
-        by_key.setdefault(None if keys is None else keys[i], []).append(i)
-    out = []
-    for key, idx in by_key.items():
-        for rows in (idx[s:s + size] for s in range(0, len(idx), size)):
-            T = min(max(len(token_ids[i]) for i in rows), max_len or math.inf)
-            ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-            attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-            for r, i in enumerate(rows):
-                n = min(T, len(token_ids[i]))
-                ids[r, :n], attn[r, :n] = torch.tensor(token_ids[i][:n]), 1
-                mask[r, :n] = torch.tensor(loss_masks[i][:n])
-            out.append(MicroBatch(rows, ids.to(device), attn.to(device), mask.to(device), key))
-    return out
 
 
 def save_trajectories(path: str, trajs: list[Trajectory]):

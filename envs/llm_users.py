@@ -308,7 +308,7 @@ class CheckedUser(User):
     def _checked(self, messages: list[dict], said: str) -> str:
         tries = []
         while reason := check_turn(self.task, self.env, messages, said):
-            if not tries:                                # the message is at messages[len(view) + 1]: after the system's
+            if not tries:                                # its index in the trajectory: the view lacks the system's
                 self.checks.append({"at": len(messages) + 1, "flagged": tries})
             tries.append({"said": said, "reason": reason})
             if len(tries) > self.retries:                # out of re-asks: the user broke

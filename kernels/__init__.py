@@ -1,7 +1,7 @@
 """kernels/: per-token log-probs of the chosen tokens, a Triton kernel beside its PyTorch reference, and the
-chunked lm_head path that never builds the (N, V) logits (logprobs.py; common.sequence_logprobs runs it for
-sft.py and rl.py; scripts/gpu_check.py's kernel part times them against peers); harness.py is the benchmarks'
-clock. Imports nothing of ours."""
+chunked lm_head path that never builds the (N, V) logits (logprobs.py; scripts/gpu_check.py's kernel part times them
+against peers); the training passes of sft.py and rl.py around it (passes.py: micro-batches, pi_ref, the fast
+log-prob pass); harness.py, the benchmarks' clock. Imports nothing of ours outside kernels/."""
 import logging
 import os
 

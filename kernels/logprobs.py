@@ -26,7 +26,7 @@ Chunked path. `masked_logprobs_chunked(hidden, weight, ...)` takes hidden states
 lm_head weight (V, H) instead of logits. It keeps only the rows with mask 1, multiplies them by
 the weight `chunk` rows at a time, and recomputes each chunk's logits in the backward, so at most
 (chunk, V) logits (plus their gradient) exist at once and the full (N, V) logits never do.
-common.sequence_logprobs runs a causal LM body and then this path; sft.py and rl.py use it. The
+kernels/passes.py's sequence_logprobs runs a causal LM body and then this path; sft.py and rl.py use it. The
 training passes hand it only rows with mask 1, so in training the kernel's mask is all ones; the mask
 is there for callers with logits of every position (scripts/gpu_check.py's kernel part, the tests).
 
@@ -38,7 +38,7 @@ Special values (tested):
     torch.log_softmax gives. If that row is masked, it is 0 like any masked row.
   - targets of masked rows are ignored (e.g. -100 is fine). Targets of unmasked rows must be in [0, V).
 
-Simplifications: no label smoothing, no logit soft-capping or lm_head bias (common.sequence_logprobs
+Simplifications: no label smoothing, no logit soft-capping or lm_head bias (passes.sequence_logprobs
 refuses such models with a clear error); one program per row (no split-V parallelism for tiny N).
 """
 import os

@@ -26,7 +26,7 @@ import rl  # noqa: E402
 import rollout  # noqa: E402
 import sft  # noqa: E402
 from envs import ours  # noqa: E402
-from kernels import harness  # noqa: E402
+from kernels import harness, passes  # noqa: E402
 from rl import group_advantages, grpo_update  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def bench_sft(args):
     model, n_tok = rollout.add_lora(model, r=16, alpha=32), sum(sum(r["loss_mask"]) for r in rows)
     model.train()
     print(f"bench-sft: {len(rows)} conversations, {sum(len(r['token_ids']) for r in rows)} tokens ({n_tok} trained), "
-          f"shared prefix {common.shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} "
+          f"shared prefix {passes.shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} "
           f"tokens, {harness.machine()}")
     measured = {}
     for name, share, ckpt in (("prompt per conversation, activation checkpointing", "off", "on"),  # lowest memory first

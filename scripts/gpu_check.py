@@ -627,7 +627,7 @@ def logprob_mismatch(model, tok, part, batch):
     """Each way's sampled log-probs of 8 rows against the training forward's on the same tokens, T = 1: the eager loop
     and the static step in each mode. The static step over the model's own layers (nf4) must stay within twice the
     eager loop's mean |delta|; bf16's copy adds one rounding of the merged weights, reported."""
-    from common import sequence_logprobs
+    from kernels.passes import sequence_logprobs
     from sampler import ModelAgent
     for way, kw in (("eager", dict(decode="eager")), ("static nf4", dict(decode="static", sample_weights="nf4")),
                     ("static bf16", dict(decode="static", sample_weights="bf16"))):

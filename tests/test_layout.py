@@ -14,10 +14,10 @@ TOP = {   # every visible top-level entry, and what it holds
     "README.md": "the user's page", "requirements.txt": "every version pinned",
     "sft.py": "stage: cold start", "rl.py": "stage: GRPO", "eval.py": "stage: evaluation",
     "rollout.py": "the loop: run_episodes, chat format, model loading", "users.py": "the simulated users",
-    "common.py": "what the stages share: flags, presets, checkpoints, training passes",
+    "common.py": "what the stages share: flags, presets, the users' builder, checkpoints, metrics",
     "sampler": "the policy as a sampler: plain.py to read, fast.py the same tokens faster",
     "envs": "the worlds and the users: the tables and ours at its top, the LLM users beside, benchmarks/ below",
-    "kernels": "the log-prob kernel and the benchmarks' harness",
+    "kernels": "the log-prob kernel, the training passes around it, the benchmarks' harness",
     "scripts": "scale-out, viewer, stage benchmarks, the GPU check",
     "docs": "results and reference pages", "tests": "pytest",
 }
@@ -184,8 +184,9 @@ def test_no_core_function_takes_more_than_five_positional_arguments():
 BATTERIES = {"sampler.fast", "sampler.static", "sampler.attention", "sampler.memory", "sampler.bench", "envs.llm_users",
              "scripts"}
 SEAMS = {"rl": {"sampler", "common"}}     # a reading-list file -> the seam modules it may reach batteries through
-NAMED = {"rl": {"envs.llm_users"}}        # a reading-list file -> the batteries it names itself: rl.py's step line
-                                          # reports what LLM users cost (user_report, user_line), nothing for ours
+NAMED = {"rl": {"envs.llm_users", "kernels.passes"}}   # a reading-list file -> the batteries it names itself: rl.py's
+# step line reports what LLM users cost (user_report, user_line; nothing for ours), and its fast pass (the default)
+# and micro-batches are kernels/passes.py's
 
 
 def reading_list() -> dict:

@@ -15,7 +15,7 @@ import torch
 
 from envs import ours
 import rollout
-from common import sequence_logprobs
+from kernels.passes import sequence_logprobs
 from rollout import ChatFormat, run_episodes
 from sampler import ModelAgent
 from test_rollout import ScriptAgent

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import rl as rl_module
-from common import cut_shared_prefix
+from kernels.passes import cut_shared_prefix, micro_batches, reference_policy
 from rl import group_advantages, grpo_loss, grpo_update, has_signal
-from rollout import micro_batches, reference_policy
 
 
 def batch_trajectories(trajs, pad_id):
@@ -188,7 +187,7 @@ ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2,
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
-    from common import sequence_logprobs
+    from kernels.passes import sequence_logprobs
     model = tiny_lora_model()                           # fresh LoRA: B = 0, so policy == reference
     trajs = fake_trajs()
     ids, attn, mask = batch_trajectories(trajs, pad_id=2)
@@ -214,7 +213,7 @@ def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
     """The sign of the whole path (advantages -> loss -> shared-prefix backward -> optimizer): after one
     small SGD step, sum_i adv_i * log p(rollout i) goes up, i.e. the rewarded rollouts of each group
     gain on the unrewarded ones. The rollouts share their prompt, so the shared-prefix pass is used."""
-    from common import sequence_logprobs
+    from kernels.passes import sequence_logprobs
     model = tiny_lora_model()
     for n, p in model.named_parameters():              # non-zero B: A gets gradient too
         if "lora_B" in n:
@@ -261,7 +260,7 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     trajs = fake_trajs()
     ids, attn, mask = batch_trajectories(trajs, pad_id=2)
     with torch.no_grad():
-        from common import sequence_logprobs
+        from kernels.passes import sequence_logprobs
         pol = sequence_logprobs(model, ids, attn, mask)
         with model.disable_adapter():
             off = sequence_logprobs(model, ids, attn, mask)
@@ -310,7 +309,7 @@ def test_bf16_autocast_update_follows_the_fp32_one():
     """--train-bf16 on: the body's matmuls run in bf16 (weights and LoRA fp32), the log-probs come from an
     fp32 head. The update differs from fp32's (the autocast really ran) but points the same way, and the
     log-probs stay fp32 and within bf16 rounding of the fp32 ones."""
-    from common import sequence_logprobs
+    from kernels.passes import sequence_logprobs
     trajs, adv = fake_trajs(), torch.tensor([1.0, -1.0, 0.5, -0.5])
     updates = {}
     for bf16 in ("off", "on"):
@@ -336,7 +335,7 @@ def test_bf16_autocast_update_follows_the_fp32_one():
 def test_masked_tokens_get_zero_gradient_through_the_model():
     """Prompt/user positions and right padding: changing what sits after a sequence's end
     (pads) changes neither loss nor gradient, and d loss / d logp is exactly 0 where mask == 0."""
-    from common import sequence_logprobs
+    from kernels.passes import sequence_logprobs
     model = tiny_lora_model()
     for p in model.parameters():                         # make LoRA B non-zero so gradients reach A too
         if p.requires_grad:

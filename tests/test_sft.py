@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import common
+from kernels import passes
 import rollout
 import sft
 from envs import ours
@@ -140,7 +140,7 @@ def test_shared_prefix_training_equals_plain_training(tmp_path):
     print("losses on", runs["on"][0], "off", runs["off"][0])
     assert runs["on"][0] == pytest.approx(runs["off"][0], rel=1e-5, abs=1e-7)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(runs["on"][1], runs["off"][1]))
-    assert common.shared_prefix_len([r["token_ids"] for r in rows], [r["loss_mask"] for r in rows]) == 4   # it was shared
+    assert passes.shared_prefix_len([r["token_ids"] for r in rows], [r["loss_mask"] for r in rows]) == 4   # it was shared
 
 
 def test_resume_continues_with_identical_state(tmp_path):
