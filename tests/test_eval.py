@@ -1,11 +1,13 @@
 """eval.py: pass^k by hand, bootstrap CI, paired comparisons, pass^k of the oracle agent, the report, and the
 --smoke run. BFCL's world: tests/test_bfcl.py."""
+import copy
 import json
 import os
 import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import common
 import envs
@@ -368,6 +370,40 @@ def test_an_agent_is_read_back_only_while_its_adapter_files_are_unchanged(tmp_pa
     assert read_back("rl") is None
     assert "its adapter changed" in capsys.readouterr().out
     assert read_back("base") == {"of": "base"}
+
+
+def test_a_published_adapter_is_the_trained_one_in_bf16_and_loads_as_an_agent(tmp_path, tiny, capsys):
+    """scripts/publish_adapter.py: the weights in bf16, each the fp32 one rounded; SHA256SUMS right and one line per
+    adapter when published again; SOURCES.md names the command and both digests; the copy loads into the fp32 model
+    (PEFT casts it up) as eval.py's --agents entry does; a missing adapter is one line and exit 2, nothing written."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from conftest import with_lora
+    from scripts import publish_adapter as pub
+    src, dst = tmp_path / "trained", tmp_path / "published" / "broad-step-8"
+    with_lora(tiny).save_pretrained(str(src))
+    fp32 = load_file(str(src / pub.WEIGHTS))
+    for _ in range(2):
+        digest = pub.publish(str(src), str(dst), "python rl.py --steps 8")
+    bf16 = load_file(str(dst / pub.WEIGHTS))
+    assert bf16.keys() == fp32.keys() and all(v.dtype == torch.bfloat16 for v in bf16.values())
+    assert all(torch.equal(bf16[k], v.to(torch.bfloat16)) for k, v in fp32.items())
+    assert any(not torch.equal(bf16[k].float(), v) for k, v in fp32.items())        # rounded: not the same bits
+    assert (tmp_path / "published" / "SHA256SUMS").read_text() == f"{digest}  broad-step-8/{pub.WEIGHTS}\n"
+    assert digest == hashlib.sha256((dst / pub.WEIGHTS).read_bytes()).hexdigest()
+    sources = (tmp_path / "published" / "SOURCES.md").read_text()
+    assert sources.count("broad-step-8") == 1 and "python rl.py --steps 8" in sources
+    assert pub.sha256(str(src / pub.WEIGHTS)) in sources and digest in sources
+    model = rollout.load_adapter(copy.deepcopy(tiny), str(dst))
+    loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(loaded) == len(bf16) and all(p.dtype == torch.float32 for p in loaded.values())
+    assert all(torch.equal(loaded[n], bf16[n.replace(".default", "")].float()) for n in loaded)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        pub.publish(str(tmp_path / "nowhere"), str(tmp_path / "out" / "x"), "python rl.py")
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
