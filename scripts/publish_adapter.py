@@ -6,6 +6,8 @@ without hours of training. PEFT loads the bf16 weights into the fp32 LoRA layers
 published adapter is the trained one rounded to bf16, not bit for bit the same policy.
 
     python scripts/publish_adapter.py SRC DST "the command that made SRC"
+
+The command is written as given (Markdown: put the command itself in backticks, a note beside it).
 """
 import hashlib
 import os
@@ -45,7 +47,7 @@ def publish(src: str, dst: str, command: str) -> str:
     digest = sha256(os.path.join(dst, WEIGHTS))
     replace_lines(os.path.join(folder, "SHA256SUMS"), f"  {name}/{WEIGHTS}", f"{digest}  {name}/{WEIGHTS}")
     replace_lines(os.path.join(folder, "SOURCES.md"), f"| `{name}` |",
-                  f"| `{name}` | `{command}` | {sha256(os.path.join(src, WEIGHTS))} | {digest} |",
+                  f"| `{name}` | {command} | {sha256(os.path.join(src, WEIGHTS))} | {digest} |",
                   header="| adapter (bf16) | the command that made it (fp32) | sha256 of the fp32 weights "
                          "| sha256 of the bf16 weights |\n|---|---|---|---|")
     return digest
