@@ -1,13 +1,13 @@
 """An adapter published in the repository: a LoRA adapter that training wrote in fp32, copied with its weights as
-bf16 safetensors (half the bytes; a 135M model's r=16 adapter is ~10 MB), its config unchanged, and a line in the
-folder's SHA256SUMS (`sha256sum -c SHA256SUMS` checks it) with the fp32 source's sha256 and the command that made it
-in the folder's SOURCES.md, so that `python eval.py --agents DST` evaluates it on any task seed and under any user
-without hours of training. PEFT loads the bf16 weights into the fp32 LoRA layers (cast up when loaded): the
+bf16 safetensors (half the bytes; a 135M model's r=16 adapter is ~10 MB) and its config unchanged, so that `python
+eval.py --agents DST` evaluates it on any task seed and under any user without hours of training. DST's folder keeps
+a SHA256SUMS (`sha256sum -c SHA256SUMS` checks the copies) and a SOURCES.md table: each copy's command, the fp32
+source's sha256 and the copy's. PEFT loads the bf16 weights into the fp32 LoRA layers (cast up when loaded): the
 published adapter is the trained one rounded to bf16, not bit for bit the same policy.
 
     python scripts/publish_adapter.py SRC DST "the command that made SRC"
 
-The command is written as given (Markdown: put the command itself in backticks, a note beside it).
+The command goes into SOURCES.md as given (Markdown: the command itself in backticks, a note beside it).
 """
 import hashlib
 import os
@@ -18,6 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
+USAGE = 'python scripts/publish_adapter.py SRC DST "the command that made SRC"'
+SOURCES_HEADER = ["| adapter (bf16) | the command that made it (fp32) | sha256 of the fp32 weights "
+                  "| sha256 of the bf16 weights |", "|---|---|---|---|"]
 
 
 def sha256(path: str) -> str:
@@ -47,22 +50,20 @@ def publish(src: str, dst: str, command: str) -> str:
     digest = sha256(os.path.join(dst, WEIGHTS))
     replace_lines(os.path.join(folder, "SHA256SUMS"), f"  {name}/{WEIGHTS}", f"{digest}  {name}/{WEIGHTS}")
     replace_lines(os.path.join(folder, "SOURCES.md"), f"| `{name}` |",
-                  f"| `{name}` | {command} | {sha256(os.path.join(src, WEIGHTS))} | {digest} |",
-                  header="| adapter (bf16) | the command that made it (fp32) | sha256 of the fp32 weights "
-                         "| sha256 of the bf16 weights |\n|---|---|---|---|")
+                  f"| `{name}` | {command} | {sha256(os.path.join(src, WEIGHTS))} | {digest} |", SOURCES_HEADER)
     return digest
 
 
-def replace_lines(path: str, key: str, line: str, header: str = ""):
-    """The file's lines with the one containing `key` replaced by `line` (or `line` added), sorted after a header."""
-    old = open(path).read().splitlines() if os.path.exists(path) else header.splitlines()
-    head = [x for x in old if x in header.splitlines()]
-    rows = sorted([x for x in old if key not in x and x not in head] + [line])
+def replace_lines(path: str, key: str, line: str, header: tuple | list = ()):
+    """The file rewritten as the header, then its rows sorted: the row containing `key` replaced by `line` (or
+    `line` added)."""
+    old = open(path).read().splitlines() if os.path.exists(path) else []
+    rows = sorted([x for x in old if key not in x and x not in header] + [line])
     with open(path, "w") as f:
-        f.write("\n".join(head + rows) + "\n")
+        f.write("\n".join([*header, *rows]) + "\n")
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
-        bad("usage: " + __doc__.strip().splitlines()[-1].strip())
+        bad("usage: " + USAGE)
     print(publish(*sys.argv[1:]))
