@@ -723,22 +723,23 @@ def results_table_commands() -> list[str]:
 
 def test_every_results_table_command_trains_into_its_own_folder(tmp_path, tiny_model_dir):
     """The README's results table, copied in order into a fresh folder as a newcomer would (each in --smoke form on
-    the tiny model): every command trains (a step logged, an adapter saved) into a folder of its own, whose
-    args.json holds that row's flags. Then an arm's command rerun into the default's folder is refused in one line
+    the tiny model, rl.py shortened to one step and no curve): every command trains (a step logged, an adapter saved)
+    into a folder of its own, whose args.json holds that row's other flags. Then an arm's command rerun into the default's folder is refused in one line
     (exit 2) before anything loads, and the default's run there is left as it was."""
     tiny, made = os.path.join(tiny_model_dir, "model"), {}
     cmds = results_table_commands()
-    assert len(cmds) == 6 and cmds[:2] == ["python sft.py", "python rl.py"], cmds
+    assert len(cmds) == 4 and cmds[:2] == ["python sft.py", "python rl.py --steps 8 --eval-every 4"], cmds
+    quick = {"--steps": "1", "--eval-every": "0"}        # rl.py: one step and no curve, enough to see it train
 
-    def run(cmd):                                        # rl.py: one step and no curve, enough to see it train
+    def run(cmd):
         script, *flags = cmd.split()[1:]
-        quick = ["--steps", "1", "--eval-every", "0"] if script == "rl.py" else []
+        shortened = [x for k, v in quick.items() for x in (k, v)] if script == "rl.py" else []
         return flags, subprocess.run([sys.executable, os.path.join(REPO, script), *flags, "--smoke", "--model", tiny,
-                                      *quick], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                                      *shortened], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     for cmd in cmds:
         flags, r = run(cmd)
         assert r.returncode == 0, cmd + "\n" + r.stdout[-2000:] + r.stderr[-2000:]
-        given = dict(zip(flags[::2], flags[1::2]))
+        given = {k: v for k, v in zip(flags[::2], flags[1::2]) if k not in quick}   # the rest of the row's flags
         out = tmp_path / given.get("--out", "runs/" + cmd.split()[1][:-3])
         assert out not in made.values(), f"{cmd} trained into {made} 's folder"
         made[cmd] = out
@@ -748,7 +749,8 @@ def test_every_results_table_command_trains_into_its_own_folder(tmp_path, tiny_m
         assert (out / "adapter" / "adapter_model.safetensors").is_file(), cmd
     files = ("args.json", "metrics.jsonl", "adapter/adapter_model.safetensors")
     before = {(d, f): (tmp_path / "runs" / d / f).read_bytes() for d in ("sft", "rl") for f in files}
-    for cmd in ("python rl.py --init base", "python rl.py --user scripted:default", "python sft.py --user none"):
+    for cmd in ("python rl.py --init base", "python rl.py --user scripted:population",
+                "python sft.py --user scripted:population"):
         _, r = run(cmd)                                  # no --out: the default's folder
         print(r.stderr)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--out" in r.stderr, r.stderr
