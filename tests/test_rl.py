@@ -724,22 +724,23 @@ def results_table_commands() -> list[str]:
 def test_every_results_table_command_trains_into_its_own_folder(tmp_path, tiny_model_dir):
     """The README's results table, copied in order into a fresh folder as a newcomer would (each in --smoke form on
     the tiny model, rl.py shortened to one step and no curve): every command trains (a step logged, an adapter saved)
-    into a folder of its own, whose args.json holds that row's other flags. Then an arm's command rerun into the default's folder is refused in one line
-    (exit 2) before anything loads, and the default's run there is left as it was."""
+    into a folder of its own, whose args.json holds that row's other flags. Then an arm's command rerun into the
+    default's folder is refused in one line (exit 2) before anything loads, and the default's run there is left as
+    it was."""
     tiny, made = os.path.join(tiny_model_dir, "model"), {}
     cmds = results_table_commands()
     assert len(cmds) == 4 and cmds[:2] == ["python sft.py", "python rl.py --steps 8 --eval-every 4"], cmds
-    quick = {"--steps": "1", "--eval-every": "0"}        # rl.py: one step and no curve, enough to see it train
+    quick = ["--steps", "1", "--eval-every", "0"]        # rl.py: one step and no curve, enough to see it train
 
     def run(cmd):
         script, *flags = cmd.split()[1:]
-        shortened = [x for k, v in quick.items() for x in (k, v)] if script == "rl.py" else []
         return flags, subprocess.run([sys.executable, os.path.join(REPO, script), *flags, "--smoke", "--model", tiny,
-                                      *shortened], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                                      *(quick if script == "rl.py" else [])],
+                                     cwd=tmp_path, capture_output=True, text=True, timeout=900)
     for cmd in cmds:
         flags, r = run(cmd)
         assert r.returncode == 0, cmd + "\n" + r.stdout[-2000:] + r.stderr[-2000:]
-        given = {k: v for k, v in zip(flags[::2], flags[1::2]) if k not in quick}   # the rest of the row's flags
+        given = {k: v for k, v in zip(flags[::2], flags[1::2]) if k not in quick[::2]}   # the row's other flags
         out = tmp_path / given.get("--out", "runs/" + cmd.split()[1][:-3])
         assert out not in made.values(), f"{cmd} trained into {made} 's folder"
         made[cmd] = out
