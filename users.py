@@ -106,6 +106,8 @@ AXES = {
         "asked": Value("train", "every fact asked for, each when the agent uses a word for it"),
         "all_at_first": Value("train", "all its facts at once, at the first question; later, the facts asked"),
         "one_first": Value("train", "one fact a reply: the first asked that it has not given yet"),
+        "one_random": Value("train", "one fact a reply: one drawn at random from those asked that it has not given "
+                                     "yet"),
         "one_last": Value("held-out", "one fact a reply: the last asked that it has not given yet"),
         "by_name": Value("held-out", "only a fact asked by its own name (\"order id\", not \"which order\")"),
     },
@@ -259,7 +261,7 @@ class ScriptedUser(User):
         self.rng, self.patience, self.replies = random.Random(seed), patience, 0
         self.confirmed = [False] * len(task.confirm_terms)
         self.opening = REQUESTS.get(task.scenario, task.opening) if behaviour.opens == "request" else task.opening
-        self.given = set()            # gives one_first / one_last: the facts it has given
+        self.given = set()            # gives one_first / one_random / one_last: the facts it has given
         self.told_all = False         # gives all_at_first: it has given everything once
         self.by_name = []             # gives by_name: the facts the agent's last message named by their own name
         self.asked_back = False       # confirms asks_back: it has asked its question back
@@ -294,11 +296,11 @@ class ScriptedUser(User):
         if gives == "all_at_first" and asked and not self.told_all:
             self.told_all = True
             return [self._fact(k) for k in self.task.hidden_facts]
-        if gives in ("one_first", "one_last"):
+        if gives in ("one_first", "one_random", "one_last"):
             if not asked:
                 return []
             fresh = [k for k in asked if k not in self.given] or asked    # asked only for given ones: that one again
-            key = fresh[0] if gives == "one_first" else fresh[-1]
+            key = fresh[0] if gives == "one_first" else fresh[-1] if gives == "one_last" else self.rng.choice(fresh)
             self.given.add(key)
             return [self._fact(key)]
         if gives == "by_name":

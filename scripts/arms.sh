@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# MUA-RL's result tried a third time (docs/steps_preregistration.md, "The third attempt"): two arms on the same
-# budget, each its own cold start and K GRPO steps, then one paired evaluation of the four agents.
+# MUA-RL's result tried a third and a fourth time (docs/steps_preregistration.md, "The third attempt", "The fourth
+# attempt"): two arms on the same budget, each its own cold start and K GRPO steps, then one paired evaluation of the
+# four agents.
 #   broad    users drawn from the training population, a row of training behaviours per conversation
 #            (--user scripted:population for sft.py and rl.py)
 #   narrow   the four named training personas, one drawn per conversation (the CPU preset's scripted:train)
@@ -12,6 +13,8 @@
 # Every part is skipped when its output exists, so a rerun after a kill goes on where it stopped.
 # Run from the repository root:   bash scripts/arms.sh      (PYTHON=.venv/bin/python OUT=runs/arms K=8 SEED=73)
 #   ARMS="broad" runs one arm's steps only (no evaluation until both are there)
+#   the fourth attempt: ARMS=broad SEED=89 NARROW_SHA256=docs/steps/attempt3/narrow/adapters.sha256, the third
+#   attempt's narrow arm copied into OUT/narrow; every file the sums name is checked before the evaluation
 #   SMOKE=1 MODEL=DIR K=2 OUT=DIR: every command in its --smoke form on a model DIR (tests/test_steps.py)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
@@ -27,6 +30,10 @@ done
 for arm in broad narrow; do
   [ -f "$OUT/$arm/step-$K/adapter_config.json" ] || { echo "arms.sh: $arm has no step $K yet: no evaluation"; exit 0; }
 done
+if [ -n "${NARROW_SHA256:-}" ]; then
+  sums=$(realpath "$NARROW_SHA256")
+  (cd "$OUT/narrow" && sha256sum --quiet -c "$sums") || { echo "arms.sh: $OUT/narrow differs from $sums"; exit 1; }
+fi
 "$PY" eval.py $SMOKE_FLAG ${MODEL:+--model $MODEL} --agents "$OUT/broad/sft/adapter,$OUT/broad/step-$K,$OUT/narrow/sft/adapter,$OUT/narrow/step-$K" \
     --user scripted:curious,scripted:literal,scripted:train,scripted:population --domains retail,airline \
     --n-tasks $N_TASKS --seed "$SEED" --paired-metric pass1,correct_state,finished,facts_asked,asked_first,turns \

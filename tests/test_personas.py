@@ -118,6 +118,26 @@ def test_chatty_gives_one_fact_a_reply_with_an_aside_and_asks_back_before_confir
     assert u.reply(say(confirm)).startswith(users.WORDS["chatty"].yes)
 
 
+def test_one_random_gives_one_fact_a_reply_in_an_order_its_seed_draws():
+    """gives=one_random (attempt 4's change): one fact a reply, drawn among those asked and not given yet, so no order
+    of asking is rewarded by every training user; asked again only for a fact it gave, it gives that one again."""
+    task = task_of("change_order_payment")
+    ask = say("Please give me your email address, the order id and the payment method to use.")
+    facts, firsts = task.hidden_facts, set()
+    for seed in range(30):
+        u = envs.make_user("scripted:gives=one_random", task, seed=seed)
+        said = [u.reply(ask) for _ in range(3)]
+        told = [[k for k in ("email", "order_id", "payment_method") if facts[k] in r] for r in said]
+        assert all(len(t) == 1 for t in told), said                                # one a reply
+        assert sorted(t[0] for t in told) == ["email", "order_id", "payment_method"]   # none twice while some are left
+        firsts.add(told[0][0])
+        again = u.reply(say("Please give me the order id."))                      # given already: that one again
+        assert facts["order_id"] in again and facts["email"] not in again
+    assert firsts == {"email", "order_id", "payment_method"}                      # every order is drawn
+    assert envs.make_user("scripted:gives=one_random", task, seed=4).reply(ask) == \
+        envs.make_user("scripted:gives=one_random", task, seed=4).reply(ask)       # seeded
+
+
 def test_careless_mistypes_its_first_digit_fact_and_corrects_it_next():
     task = task_of("change_order_payment")
     email = task.hidden_facts["email"]
