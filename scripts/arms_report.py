@@ -1,6 +1,6 @@
-"""The third attempt's result (docs/steps_preregistration.md, "The third attempt"): the bar, the 2x2 table (narrow
-and broad training users x SFT and RL, under the held-out and the training users, with 95% CIs), every effect per
-held-out persona as well as pooled, each arm's steps with their time, peak and per-user training numbers, and the
+"""The third and fourth attempts' result (docs/steps_preregistration.md): the bar, the 2x2 table (narrow and broad
+training users x SFT and RL, under the held-out and the training users, with 95% CIs), every effect per held-out
+persona as well as pooled, and per domain, each arm's steps with their time, peak and per-user training numbers, and the
 picture; from <out>/eval/results.json and <out>/<arm>/rl/. Run by scripts/arms.sh:
 
     python scripts/arms_report.py runs/arms 8
@@ -41,6 +41,11 @@ def ci_of_mean(per_task, n_boot=10000, seed=0):
     return sum(xs) / len(xs), boot[int(0.025 * n_boot)], boot[int(0.975 * n_boot) - 1]
 
 
+def in_domain(per_task, domain):
+    """The tasks of one domain (a task id starts with its domain: "retail-test-00001")."""
+    return per_task and {t: v for t, v in per_task.items() if t.startswith(domain + "-")}
+
+
 def cell(per_task):
     m = ci_of_mean(per_task)
     return "-" if m is None else f"{m[0]:.3f} [{m[1]:.3f}, {m[2]:.3f}]"
@@ -70,6 +75,16 @@ def main(out, K):
             print(f"| {label} | {cell(sft)} | {cell(rl)} | {show(diff((arm, 'RL'), (arm, 'SFT'), users))} |")
         for stage in ("SFT", "RL"):
             print(f"| broad - narrow, {stage} | | | {show(diff(('broad', stage), ('narrow', stage), users))} |")
+
+    print("\nper domain (RL's habits carry across domains: one LoRA serves both), pass^1 SFT -> RL and RL - SFT:")
+    print("| users | domain | narrow | narrow RL - SFT | broad | broad RL - SFT |\n|---|---|---|---|---|---|")
+    for pool, users in {**SINGLE, "training personas": ["scripted:train"]}.items():
+        for domain in ("retail", "airline"):
+            row = []
+            for arm in ARMS:
+                sft, rl = (in_domain(pooled(results, agents[arm, s], users, "pass1"), domain) for s in ("SFT", "RL"))
+                row += [f"{num(mean(sft))} -> {num(mean(rl))}", show(sft and rl and paired_difference(rl, sft))]
+            print(f"| {pool} | {domain} | " + " | ".join(row) + " |")
 
     print("\nevery metric, pooled per user set (each task's episodes pooled):")
     for pool, users in POOLS.items():

@@ -63,7 +63,11 @@ def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2
         step = dict(step=1, reward=0.5, groups_varied=1, groups_drawn=2, kl=0.001, clip_frac=0.0, rollout_s=1.0,
                     train_s=1.0, s_per_step=2.0, by_user={"gives=one_first": dict(n=4, reward=0.5, asked=1.0)})
         (out / arm / "rl" / "metrics.jsonl").write_text(json.dumps(step) + "\n")
-    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable, "MODEL": tiny, "K": "2"}
+    sums = subprocess.run(["sha256sum", "sft/adapter/adapter_model.safetensors", "step-2/adapter_model.safetensors"],
+                          cwd=out / "narrow", capture_output=True, text=True, check=True).stdout
+    (tmp_path / "narrow.sha256").write_text(sums)             # the fourth attempt reuses the third's narrow arm
+    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable, "MODEL": tiny, "K": "2",
+           "NARROW_SHA256": str(tmp_path / "narrow.sha256")}
     run = subprocess.run(["bash", "scripts/arms.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     print(run.stdout[-4000:], run.stderr[-2000:])
     assert run.returncode == 0
@@ -82,4 +86,10 @@ def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2
     bar = said[said.index("the bar"):]
     assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
     assert "training personas: +0.000 [+0.000, +0.000]" in bar and "(not below 0): MET" in bar
+    domains = said[said.index("\nper domain"):].splitlines()[4:10]          # after a blank line, the title, the header, its rule
+    assert [r.split(" | ")[1] for r in domains] == ["retail", "airline"] * 3, domains
+    assert all(r.count("+0.000 [+0.000, +0.000]") == 2 for r in domains), domains
     assert os.path.exists(out / "eval" / "arms.png")
+    (tmp_path / "narrow.sha256").write_text(sums.replace(sums[:8], "0" * 8, 1))   # a narrow file that differs
+    run = subprocess.run(["bash", "scripts/arms.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 1 and "differs from" in run.stdout, run.stdout[-2000:]
