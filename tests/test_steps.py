@@ -86,7 +86,7 @@ def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2
     bar = said[said.index("the bar"):]
     assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
     assert "training personas: +0.000 [+0.000, +0.000]" in bar and "(not below 0): MET" in bar
-    domains = said[said.index("\nper domain"):].splitlines()[4:10]          # after a blank line, the title, the header, its rule
+    domains = said[said.index("\nper domain"):].splitlines()[4:10]   # past a blank line, the title, header and rule
     assert [r.split(" | ")[1] for r in domains] == ["retail", "airline"] * 3, domains
     assert all(r.count("+0.000 [+0.000, +0.000]") == 2 for r in domains), domains
     assert os.path.exists(out / "eval" / "arms.png")
