@@ -1,7 +1,7 @@
 """The third and fourth attempts' result (docs/steps_preregistration.md): the bar, the 2x2 table (narrow and broad
 training users x SFT and RL, under the held-out and the training users, with 95% CIs), every effect per held-out
-persona as well as pooled, and per domain, each arm's steps with their time, peak and per-user training numbers, and the
-picture; from <out>/eval/results.json and <out>/<arm>/rl/. Run by scripts/arms.sh:
+persona as well as pooled, and per domain, each arm's steps with their time, peak and per-user training numbers,
+and the picture; from <out>/eval/results.json and <out>/<arm>/rl/. Run by scripts/arms.sh:
 
     python scripts/arms_report.py runs/arms 8
 
