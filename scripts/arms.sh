@@ -15,6 +15,8 @@
 #   ARMS="broad" runs one arm's steps only (no evaluation until both are there)
 #   the fourth attempt: ARMS=broad SEED=89 NARROW_SHA256=docs/steps/attempt3/narrow/adapters.sha256, the third
 #   attempt's narrow arm copied into OUT/narrow; every file the sums name is checked before the evaluation
+#   AGENTS=A,B,C,D evaluates those four adapter folders instead (broad SFT, broad step K, narrow SFT, narrow step K:
+#   the published bf16 copies, say), trains nothing and checks no sums; the report reads them from the evaluation
 #   SMOKE=1 MODEL=DIR K=2 OUT=DIR: every command in its --smoke form on a model DIR (tests/test_steps.py)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
@@ -22,19 +24,23 @@ OUT=${OUT:-runs/arms} K=${K:-8} SEED=${SEED:-73} ARMS=${ARMS:-"broad narrow"} EV
 N_TASKS=30 SMOKE_FLAG=
 [ -n "${SMOKE:-}" ] && N_TASKS=1 SMOKE_FLAG=--smoke
 export PYTHON=$PY K EVAL_EVERY
-for arm in $ARMS; do
-  spec=""
-  [ "$arm" = broad ] && spec=scripted:population
-  OUT="$OUT/$arm" USER_SPEC=$spec EVAL=none bash scripts/steps.sh
-done
-for arm in broad narrow; do
-  [ -f "$OUT/$arm/step-$K/adapter_config.json" ] || { echo "arms.sh: $arm has no step $K yet: no evaluation"; exit 0; }
-done
-if [ -n "${NARROW_SHA256:-}" ]; then
-  sums=$(realpath "$NARROW_SHA256")
-  (cd "$OUT/narrow" && sha256sum --quiet -c "$sums") || { echo "arms.sh: $OUT/narrow differs from $sums"; exit 1; }
+if [ -z "${AGENTS:-}" ]; then
+  for arm in $ARMS; do
+    spec=""
+    [ "$arm" = broad ] && spec=scripted:population
+    OUT="$OUT/$arm" USER_SPEC=$spec EVAL=none bash scripts/steps.sh
+  done
+  for arm in broad narrow; do
+    [ -f "$OUT/$arm/step-$K/adapter_config.json" ] \
+      || { echo "arms.sh: $arm has no step $K yet: no evaluation"; exit 0; }
+  done
+  if [ -n "${NARROW_SHA256:-}" ]; then
+    sums=$(realpath "$NARROW_SHA256")
+    (cd "$OUT/narrow" && sha256sum --quiet -c "$sums") || { echo "arms.sh: $OUT/narrow differs from $sums"; exit 1; }
+  fi
+  AGENTS="$OUT/broad/sft/adapter,$OUT/broad/step-$K,$OUT/narrow/sft/adapter,$OUT/narrow/step-$K"
 fi
-"$PY" eval.py $SMOKE_FLAG ${MODEL:+--model $MODEL} --agents "$OUT/broad/sft/adapter,$OUT/broad/step-$K,$OUT/narrow/sft/adapter,$OUT/narrow/step-$K" \
+"$PY" eval.py $SMOKE_FLAG ${MODEL:+--model $MODEL} --agents "$AGENTS" \
     --user scripted:curious,scripted:literal,scripted:train,scripted:population --domains retail,airline \
     --n-tasks $N_TASKS --seed "$SEED" --paired-metric pass1,correct_state,finished,facts_asked,asked_first,turns \
     --out "$OUT/eval"

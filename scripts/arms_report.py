@@ -27,8 +27,14 @@ ARMS = {"narrow": "narrow (the four training personas)", "broad": "broad (the tr
 
 
 def agents_of(out, K):
-    return {(arm, stage): f"{out}/{arm}/" + ("sft/adapter" if stage == "SFT" else f"step-{K}")
-            for arm in ARMS for stage in ("SFT", "RL")}
+    """(arm, stage) -> the adapter evaluated: the four --agents of <out>/eval/args.json in scripts/arms.sh's order
+    (broad SFT, broad RL, narrow SFT, narrow RL), so published copies evaluated with AGENTS= report alike; before
+    an evaluation, each arm's own folders under <out>."""
+    path = os.path.join(out, "eval", "args.json")
+    keys = [(arm, stage) for arm in ("broad", "narrow") for stage in ("SFT", "RL")]
+    given = dict(zip(keys, json.load(open(path))["agents"].split(","))) if os.path.exists(path) else {}
+    own = {"SFT": "sft/adapter", "RL": f"step-{K}"}
+    return {(arm, stage): given.get((arm, stage)) or f"{out}/{arm}/{own[stage]}" for arm in ARMS for stage in own}
 
 
 def ci_of_mean(per_task, n_boot=10000, seed=0):
@@ -43,7 +49,7 @@ def ci_of_mean(per_task, n_boot=10000, seed=0):
 
 def in_domain(per_task, domain):
     """The tasks of one domain (a task id starts with its domain: "retail-test-00001")."""
-    return per_task and {t: v for t, v in per_task.items() if t.startswith(domain + "-")}
+    return per_task and {t: v for t, v in per_task.items() if t.startswith(domain + "-")} or None
 
 
 def cell(per_task):

@@ -93,3 +93,16 @@ def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2
     (tmp_path / "narrow.sha256").write_text(sums.replace(sums[:8], "0" * 8, 1))   # a narrow file that differs
     run = subprocess.run(["bash", "scripts/arms.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 1 and "differs from" in run.stdout, run.stdout[-2000:]
+
+    # the published copies, named with AGENTS=: no arm's folder, no step trained, no sums; the report names them
+    published, names = tmp_path / "published", ["broad-sft", "broad-step-2", "narrow-sft", "narrow-step-2"]
+    for name in names:
+        shutil.copytree(adapter, published / name)
+    env = {**env, "OUT": str(tmp_path / "arms_published"), "AGENTS": ",".join(str(published / n) for n in names)}
+    run = subprocess.run(["bash", "scripts/arms.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    agents = json.load(open(tmp_path / "arms_published" / "eval" / "results.json"))["agents"]
+    assert set(agents) == {f"{published}/{n} @ {u}" for n in names for u in users}
+    assert not (tmp_path / "arms_published" / "broad").exists()
+    bar = run.stdout[run.stdout.index("the bar"):]
+    assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
