@@ -28,7 +28,7 @@ PROMISES = {
     "A bad flag is one line and exit status 2 before any model loads": (
         "test_validation.py", "test_each_bad_flag_is_one_line_naming_it_and_exit_2"),
     "`--help` shows every default in use": ("test_validation.py", "test_help_shows_the_presets_numbers"),
-    "fails on any\nimport circle, lazy imports included": (
+    "fails on any import circle, lazy imports included": (
         "test_layout.py", "test_no_module_imports_another_in_a_circle_lazy_imports_included"),
     "`tests/test_layout.py` holds it to this": ("test_layout.py", "test_the_top_level_is_the_design_cards"),
     "The gold oracle scores 1 on all 278 base tasks": (
