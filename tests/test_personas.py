@@ -1,6 +1,6 @@
 """The scripted personas (users.PERSONAS): one table in the code and in docs/personas.md, split train / held-out;
 each seeded and deterministic and doing what its row says; scripted:train draws a training persona per conversation;
-a user or persona added the README's way is valid everywhere; and the gold agent solves every persona, in both
+a user or persona added docs/reference.md's way is valid everywhere; and the gold agent solves every persona, in both
 domains and the easy and medium tiers, with slack under the turn cap (its longest episodes are printed: -s)."""
 import argparse
 import math
@@ -207,8 +207,8 @@ LOUD = users.Words(greet=("HEY! ",), yes=("YES, GO AHEAD.",), no=("NO!",), thank
 
 
 class ToyUser(users.User):
-    """A user kind added the README's way: a users.User subclass, a builder, and a row in envs.USER_KINDS. It gives every fact
-    in its first message and says yes to anything, then stops once it hears "Done"."""
+    """A user kind added docs/reference.md's way: a users.User subclass, a builder, and a row in envs.USER_KINDS. It
+    gives every fact in its first message and says yes to anything, then stops once it hears "Done"."""
 
     def first_message(self):
         return self.task.opening + " " + " ".join(f"My {k} is {v}." for k, v in self.task.hidden_facts.items())
@@ -224,7 +224,7 @@ def toy_user(task, seed, arg, *, env=None):
 def test_a_user_and_a_persona_added_the_readme_way_work_everywhere(monkeypatch):
     for spec in ("scripted:toy", "toy"):                       # not there yet: bad input
         assert _check(spec, training=False) == "exit 2"
-    # a persona the README's way: a value on an axis (its words) and a row in users.PERSONAS
+    # a persona docs/reference.md's way: a value on an axis (its words) and a row in users.PERSONAS
     monkeypatch.setitem(users.AXES, "words", {**users.AXES["words"], "loud": users.Value("train", "loud")})
     monkeypatch.setitem(users.WORDS, "loud", LOUD)
     monkeypatch.setitem(users.PERSONAS, "toy", users.PERSONAS["default"]._replace(words="loud"))

@@ -106,6 +106,7 @@ def test_the_readme_reads_in_ten_minutes():
 
 @pytest.mark.parametrize("promise", list(PROMISES))
 def test_every_promise_names_a_test_that_exists(promise):
-    assert promise in ALL, f"the README and docs no longer say {promise!r}: update PROMISES"
+    words = " ".join(promise.split())                   # a promise may wrap anywhere: compare the words
+    assert words in " ".join(ALL.split()), f"the README and docs no longer say {promise!r}: update PROMISES"
     file, name = PROMISES[promise]
     assert defined(os.path.join("tests", file), name), f"{file}::{name} is gone; the README still promises it"
