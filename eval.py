@@ -10,7 +10,8 @@ What it does
   2. Paired comparisons of every two agents on the same tasks and user seeds (pair_up).
   3. Beside pass^1, what the agent did (behaviour, METRICS; docs/reference.md "Metrics"): the correct end state however the
      episode ended, finished (not cut off at the turn cap, which scores 0 as in τ²-bench: ours.Env.score),
-     asked before writing, the withheld facts it asked for, turns; per agent and domain, and any of them can be
+     asked before writing, the withheld facts it asked for, turns, the questions asked again for a fact the user
+     had given (repeated_questions); per agent and domain, and any of them can be
      the paired comparison's metric (--paired-metric). Under several users (--user scripted,none) every agent
      meets each, and a grid of agents x users shows the metric: the 2 x 2 of trained with / without a user
      against evaluated with / without one (scripts/claims.sh runs it). Under each rule-based user (scripted, its
@@ -86,7 +87,8 @@ PRESETS = {
 }
 # What each episode is scored on (episode_metrics; one README line each), beside pass^k: name -> its table heading
 METRICS = {"pass1": "pass^1", "correct_state": "correct end state", "finished": "finished",
-           "asked_first": "asked before writing", "facts_asked": "facts asked for", "turns": "turns"}
+           "asked_first": "asked before writing", "facts_asked": "facts asked for", "turns": "turns",
+           "repeated_questions": "questions asked again"}
 
 
 def parse_args(argv=None):
@@ -303,7 +305,15 @@ def episode_metrics(task, traj) -> dict:
     asked = common.asked_before_writing(traj)
     return {"pass1": float(traj.reward >= 1), "correct_state": traj.stats["correct_state"],
             "finished": float(traj.stop_reason in ours.ENDED), "asked_first": None if asked is None else float(asked),
-            "facts_asked": facts_asked(task, traj), "turns": traj.turns}
+            "facts_asked": facts_asked(task, traj), "turns": traj.turns,
+            "repeated_questions": repeated_questions(traj)}
+
+
+def repeated_questions(traj) -> int | None:
+    """How many times the agent asked again for a fact the user had already given (users.repeated_questions, kept
+    by run_episodes as the messages' indices); None in a world without hidden facts."""
+    at = traj.stats.get("repeated_at")
+    return None if at is None else len(at)
 
 
 def behaviour(values: dict, domain_of: dict) -> dict:

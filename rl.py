@@ -33,6 +33,7 @@ from kernels import passes
 import sampler
 import envs
 from envs import llm_users
+import users
 
 # Every number a preset sets stands here only, but the CPU episode limits and tasks, which eval.py measures with too
 # (common.CPU_LIMITS, CPU_TIERS). CPU: 8 tasks x 6 rollouts (4 tasks a domain; their openings withhold the ids), two
@@ -424,21 +425,30 @@ def step_metrics(step, drawn, kept, left, stats, *, seconds, price) -> dict:
                 grad_norm=stats["grad_norm"] / max(stats["updates"], 1) if stats else None,
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
                 train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
+                repeated_questions=mean_repeated(every),
                 sim_failures=len(left), **seconds, tok_per_s=sampled / rollout_s if rollout_s else None,
                 by_user=by_user(every),
                 **llm_users.user_report(every + left, rollout_s + seconds["train_s"] if rollout_s else None, price))
 
 
+def mean_repeated(trajs) -> float | None:
+    """The questions a conversation asked again for a fact its user had given (users.repeated_questions), on
+    average; None in a world without hidden facts."""
+    counts = [len(t.stats["repeated_at"]) for t in trajs if t.stats.get("repeated_at") is not None]
+    return sum(counts) / len(counts) if counts else None
+
+
 def by_user(trajs) -> dict:
-    """Reward and the asking rate (asked to confirm before the first write, over the episodes that wrote) per
-    training user: each named persona, and each behaviour value ("gives=one_first"), so a slide under one kind of
-    user shows while it trains, not only in the evaluation after it. Scripted users only."""
+    """Reward, the asking rate (asked to confirm before the first write, over the episodes that wrote) and the
+    questions asked again (mean_repeated) per training user: each named persona, and each behaviour value
+    ("gives=one_first"), so a slide under one kind of user shows while it trains, not only in the evaluation after
+    it. Scripted users only."""
     groups = {}
     for t in trajs:
         if "behaviour" not in t.stats:
             continue
         keys = [f"{axis}={value}" for axis, value in t.stats["behaviour"].items()]
-        if "=" not in t.stats["user"] and t.stats["user"] != "population":
+        if "=" not in t.stats["user"] and t.stats["user"] not in users.POPULATIONS:
             keys.insert(0, t.stats["user"])
         for key in keys:
             groups.setdefault(key, []).append(t)
@@ -446,7 +456,7 @@ def by_user(trajs) -> dict:
     for key, mine in sorted(groups.items(), key=lambda kv: ("=" in kv[0], kv[0])):   # the personas, then the values
         asked = [a for a in map(common.asked_before_writing, mine) if a is not None]
         out[key] = dict(n=len(mine), reward=sum(t.reward for t in mine) / len(mine),
-                        asked=sum(asked) / len(asked) if asked else None)
+                        asked=sum(asked) / len(asked) if asked else None, repeated=mean_repeated(mine))
     return out
 
 
@@ -463,8 +473,9 @@ def log(args, metrics, m, tracker=None):
               + (f" | {llm_users.user_line(m)}" if "user_requests" in m else ""), flush=True)   # an LLM user's cost
     if m.get("by_user"):                          # the named personas, or (a population) each behaviour value
         named = {k: v for k, v in m["by_user"].items() if "=" not in k} or m["by_user"]
-        print(f"step {m['step']:3d} | by user, reward / asked before writing: " + ", ".join(
-              f"{k} {v['reward']:.2f} / {f(v['asked'], '.2f')}" for k, v in named.items()), flush=True)
+        print(f"step {m['step']:3d} | by user, reward / asked before writing / questions asked again: " + ", ".join(
+              f"{k} {v['reward']:.2f} / {f(v['asked'], '.2f')} / {f(v.get('repeated'), '.1f')}"
+              for k, v in named.items()), flush=True)
     if "heldout_by_user" in m:
         print(f"step {m['step']:3d} | held-out pass^1 " + ", ".join(f"{v:.3f} under {u}" for u, v in
               m["heldout_by_user"].items()) + f" on {args.eval_tasks * len(args.domains.split(','))} tasks", flush=True)

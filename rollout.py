@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 import envs
-from users import STOP, USER_WORKERS, ask_users, visible_text, without_think
+from users import STOP, USER_WORKERS, ask_users, repeated_questions, visible_text, without_think
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32   # CPU: bf16 decoding is slower (see ModelAgent)
@@ -529,4 +529,6 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
         # state", which tells a right write the agent never reported from a wrong one
         traj.stats["correct_state"] = float(score.correct_state)
         traj.stats["extras"] = dict(score.extras)        # e.g. ACEBench's process score
+        # the agent's messages that ask again for a fact the user had given (None: a world without hidden facts)
+        traj.stats["repeated_at"] = repeated_questions(u.task, traj.messages)
     return [conv.traj for conv in convs]

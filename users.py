@@ -6,7 +6,8 @@ the policy or the DB. One interface, User.first_message() / User.reply(messages)
                 values on named axes (Behaviour, AXES: how it opens, gives facts, meets a request to confirm, words
                 things, errs), each value split like tasks: training values, and held-out ones no stage trains on.
                 The named personas are rows (--user scripted:NAME, PERSONAS); scripted:population draws a row of
-                training values per conversation
+                training values per conversation, scripted:heldout-population a row with at least one held-out
+                value (the users no stage met; the held-out personas are some of its rows)
   NoUser        ablation: the whole instruction up front, no user turns
 The users an LLM plays (OpenAIUser, LocalUser) and the check on what they say are a battery: envs/llm_users.py.
 envs.USER_KINDS is the table of --user kinds (scripted_user and no_user build ours; check_scripted validates a
@@ -32,6 +33,7 @@ FACT_KEYWORDS = {
 
 STOP = "###STOP###"
 PATIENCE = 10   # a user's replies before it gives up (ScriptedUser); the check lets any user stop after them
+REPEATS_TO_LEAVE = 3   # patience "remembers": the question asked again for a fact it gave that makes it leave
 
 
 class User:
@@ -87,6 +89,36 @@ def names(text: str, term) -> bool:
     return any(re.search(r"(?<![\w.])" + re.escape(str(a).lower()) + r"(?!\w)", text.lower()) for a in alts)
 
 
+_REQUESTS = re.compile(r"\?|\b(please|provide|give|tell|share|need|let me know|could you|can you|may i)\b", re.I)
+
+
+def asks_for(task, text: str) -> list[str]:
+    """The facts of task an agent message (its visible text) asks for: those it uses a word for (asked_for), in a
+    message that asks something (a question mark, or please, give, tell, ...: "Done: order id #W1 cancelled." asks
+    for nothing). A request to confirm a change asks for none: a user answers that request, nothing more."""
+    if asks_confirmation(text) or not _REQUESTS.search(text):
+        return []
+    return [k for k in FACT_KEYWORDS if k in task.hidden_facts and asked_for(k, text.lower())]
+
+
+def given(task, messages: list[dict]) -> set[str]:
+    """The facts of task the user has given in messages: one of its messages names the value (a value of three
+    characters or fewer, "yes", counts only beside a word for its fact: "Yes." to a confirmation gives no insurance)."""
+    said = [m["content"] for m in messages if m["role"] == "user"]
+    return {k for k, v in task.hidden_facts.items()
+            if any(names(s, v) and (len(str(v)) > 3 or asked_for(k, s.lower())) for s in said)}
+
+
+def repeated_questions(task, messages: list[dict]) -> list[int] | None:
+    """Where the agent asked again for a fact the user had already given: the indices of its messages that ask for
+    (asks_for) a fact an earlier user message gave (given). A person counts these; the scripted user whose patience
+    "remembers" leaves at the REPEATS_TO_LEAVE-th. None in a world without hidden facts (τ²'s tasks)."""
+    if not hasattr(task, "hidden_facts"):
+        return None
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"
+            and set(asks_for(task, visible_text(m["content"]))) & given(task, messages[:i])]
+
+
 # ---- the scripted user: one set of rules, its conduct a row of values on named axes (Behaviour). A named persona is
 # a row (PERSONAS); a training population draws rows of training values (scripted:population); a held-out persona
 # keeps at least one value that no training row can draw (UserVille's split), so it tests whole unseen behaviours.
@@ -130,16 +162,23 @@ AXES = {
         "one_digit": Value("train", "the first fact with a digit comes with one digit wrong, corrected in its next "
                                     "message"),
     },
+    "patience": {
+        "replies": Value("train", f"it gives up after {PATIENCE} replies, whatever the agent asks"),
+        "remembers": Value("held-out", "asked again for a fact it already gave, it says so and gives it again; the "
+                                       f"question that does so for the {REPEATS_TO_LEAVE}rd time, it leaves (and it "
+                                       f"gives up after {PATIENCE} replies)"),
+    },
 }
 
 
 class Behaviour(NamedTuple):
-    """A scripted user's conduct: one value of each of AXES."""
+    """A scripted user's conduct: one value of each of AXES (patience: a row that does not name it has today's)."""
     opens: str
     gives: str
     confirms: str
     words: str
     mistakes: str
+    patience: str = "replies"
 
 
 class Words(NamedTuple):
@@ -155,6 +194,7 @@ class Words(NamedTuple):
     asides: tuple = ()   # a detail that has nothing to do with the request, after every message but the last
 
 
+TOLD = ("I already told you that.", "As I said before:", "I gave you that already.")   # patience remembers
 BACK = ("Before I answer: will this cost me anything extra?", "Wait, can that be undone later if I change my mind?",
         "Hmm, how long will that take to go through?")
 WORDS = {
@@ -223,6 +263,8 @@ PERSONAS = {
     "careless": Behaviour(opens="ids", gives="asked", confirms="decides", words="plain", mistakes="one_digit"),
     "curious": Behaviour(opens="request", gives="one_last", confirms="asks_back", words="other", mistakes="none"),
     "literal": Behaviour(opens="ids", gives="by_name", confirms="bare_no", words="formal", mistakes="none"),
+    "mindful": Behaviour(opens="ids", gives="asked", confirms="decides", words="plain", mistakes="none",
+                         patience="remembers"),
 }
 MIXES = {"train": "train", "heldout": "held-out"}   # scripted:train / scripted:heldout: a named persona of that split
 
@@ -242,6 +284,17 @@ def population() -> list[Behaviour]:
     return [Behaviour(*row) for row in itertools.product(*values)]
 
 
+def heldout_population() -> list[Behaviour]:
+    """Every row with at least one held-out value: what scripted:heldout-population draws from, one row per
+    conversation. These are the users no stage trained with; each held-out persona is one of them."""
+    rows = itertools.product(*(list(AXES[axis]) for axis in Behaviour._fields))
+    return [b for b in map(Behaviour._make, rows) if held_out_values(b)]
+
+
+# the populations a scripted spec draws a row from, one per conversation (--user scripted:NAME)
+POPULATIONS = {"population": population, "heldout-population": heldout_population}
+
+
 class ScriptedUser(User):
     """Deterministic (given seed) rule-based user, the CPU default, its conduct set by a Behaviour. It opens with
     task.opening (or, opens "request", REQUESTS' opening without ids); it reveals hidden_facts[key] only when the
@@ -252,7 +305,8 @@ class ScriptedUser(User):
     values that were missing, wrong or ambiguous (confirms "bare_no": no alone; "asks_back": a question first).
     Once every write is confirmed it waits until the agent reports the change done (nudging it to go ahead), then
     thanks and stops. Tasks without writes: it stops once every required output was said or the agent refused.
-    patience: at most this many replies, then it gives up. label: the persona's name, or "population"."""
+    patience: at most this many replies, then it gives up (patience "remembers": also once it has been asked
+    REPEATS_TO_LEAVE times for a fact it had given). label: the persona's name, or the population it was drawn from."""
 
     def __init__(self, task, seed: int = 0, behaviour: Behaviour = PERSONAS["default"], label: str = "default",
                  patience: int = PATIENCE):
@@ -266,6 +320,7 @@ class ScriptedUser(User):
         self.by_name = []             # gives by_name: the facts the agent's last message named by their own name
         self.asked_back = False       # confirms asks_back: it has asked its question back
         self.mistyped, self.correction = False, ""   # mistakes one_digit: done, and the correction still owed
+        self.repeats = 0              # patience remembers: the questions for a fact it had given
 
     def record(self) -> dict:
         """Its label (a persona's name, "population", a row written out) and its value on each axis."""
@@ -331,6 +386,7 @@ class ScriptedUser(User):
     def reply(self, messages: list[dict]) -> str:
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
         last = said[-1] if said else ""
+        again = [k for k in asks_for(self.task, last) if k in given(self.task, messages)]   # what it said before
         owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
         if self.behaviour.gives == "by_name":
             self.by_name = [k for k in self.task.hidden_facts if re.search(r"\b" + k.replace("_", " "), last.lower())]
@@ -339,18 +395,26 @@ class ScriptedUser(User):
             self.asked_back, self.replies = True, self.replies + 1
             text = self.rng.choice(self.words.back)
         else:
-            text = self._decide(said)
+            text = self._decide(said, again)
         if STOP in text:
             return text
         return self._aside(f"{text} {owed}" if owed else text)
 
-    def _decide(self, said: list[str]) -> str:
-        """The reply's substance, given what the agent has said: give up, thank and stop, wait for the report,
-        answer a confirmation request (only that), or give the facts asked for (asked nothing: a nudge)."""
+    def _decide(self, said: list[str], again: list[str]) -> str:
+        """The reply's substance, given what the agent has said (again: the facts its last message asks for that
+        this user had given): give up, leave or repeat itself (patience remembers), thank and stop, wait for the
+        report, answer a confirmation request (only that), or give the facts asked for (asked nothing: a nudge)."""
         self.replies += 1
         last = said[-1] if said else ""
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
+        if self.behaviour.patience == "remembers" and again:     # it says so, and gives them again, twice
+            self.repeats += 1
+            if self.repeats >= REPEATS_TO_LEAVE:
+                return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"
+            asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
+            facts = [self._fact(k) for k in again] + self._answer([k for k in asked if k not in again])
+            return " ".join([self.rng.choice(TOLD), *facts])
         if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
             if REPORTS_DONE.search(last) and not asks_confirmation(last):
                 return f"{self.rng.choice(self.words.thanks)} {STOP}"
@@ -420,9 +484,9 @@ def parse_row(arg: str) -> Behaviour | str:
 
 def scripted_user(task, seed: int, arg: str, *, env=None) -> ScriptedUser:
     """The scripted user of one conversation: a named persona (ARG names one, or a mix one is drawn from by seed),
-    a row written out (ARG "axis=value/..."), or a row drawn by seed from the training population."""
-    if arg == "population":
-        return ScriptedUser(task, seed, random.Random(f"population|{seed}").choice(population()), "population")
+    a row written out (ARG "axis=value/..."), or a row drawn by seed from a population (POPULATIONS)."""
+    if arg in POPULATIONS:
+        return ScriptedUser(task, seed, random.Random(f"{arg}|{seed}").choice(POPULATIONS[arg]()), arg)
     if "=" in arg:
         return ScriptedUser(task, seed, parse_row(arg), arg)
     name = persona(arg, seed)
@@ -434,6 +498,9 @@ def check_scripted(arg: str, training: bool) -> str | None:
     rl_trl.py): a held-out behaviour would void the experiment, and a persona set must keep a training persona."""
     if arg == "population":
         return None                                 # training values only, by construction (population())
+    if arg == "heldout-population":
+        return "scripted:heldout-population is held out: no stage trains on it (use scripted:population)" \
+            if training else None
     if "=" in arg:
         row = parse_row(arg)
         if isinstance(row, str):
@@ -445,7 +512,7 @@ def check_scripted(arg: str, training: bool) -> str | None:
     unknown = [n for n in names if n not in PERSONAS]
     if unknown:
         return f"unknown persona {unknown[0]!r}; use scripted:NAME with NAME one of {', '.join(PERSONAS)} " \
-               f"(or {', '.join(MIXES)}, population, or a row axis=value/...)"
+               f"(or {', '.join(MIXES)}, {', '.join(POPULATIONS)}, or a row axis=value/...)"
     held_out = [n for n in names if split_of(PERSONAS[n]) != "train"]
     if training and held_out:
         return f"persona {held_out[0]!r} is held out ({held_out_values(PERSONAS[held_out[0]])[0]} is a behaviour no " \

@@ -84,9 +84,11 @@ class UserKind(NamedTuple):
 # THE table of user kinds (--user KIND or KIND:ARG): UserFactory builds from it, and common.check_args and --help
 # read it, so a user added here is a valid --user everywhere.
 USER_KINDS = {
-    "scripted": UserKind("users:scripted_user", "[PERSONA|train|heldout|A+B|population|axis=value/...]",
+    "scripted": UserKind("users:scripted_user",
+                         "[PERSONA|train|heldout|A+B|population|heldout-population|axis=value/...]",
                          "rule-based and seeded (users.PERSONAS, AXES; plain: default; train: a training persona drawn "
-                         "per conversation; population: a row of training values drawn per conversation)",
+                         "per conversation; population: a row of training values drawn per conversation; "
+                         "heldout-population: a row with a held-out value, the same way)",
                          "users:check_scripted"),
     "none": UserKind("users:no_user", "", "no user: the whole instruction up front"),
     "local": UserKind("envs.llm_users:local_user", "", "the policy's base model plays it"),

@@ -43,9 +43,10 @@ def step_records(out, K):
 
 
 def print_steps(steps):
-    """A line a step (reward, groups, kl, clip, seconds, the process's time and peak, the curve where it ran), and
-    under it the reward and asking rate per training user (rl.py's by_user: the named personas, or a population's
-    behaviour values), so a slide under one kind of user shows step by step."""
+    """A line a step (reward, groups, kl, clip, the questions a conversation asked again, seconds, the process's time
+    and peak, the curve where it ran), and under it the reward, asking rate and questions asked again per training
+    user (rl.py's by_user: the named personas, or a population's behaviour values), so a slide under one kind of user
+    shows step by step. Records from before repeated_questions was counted print "-" for it."""
     for k, m in sorted(steps.items()):
         curve = ", ".join(f"{v:.3f} {u}" for u, v in m.get("heldout_by_user", {}).items())
         if k == 0:
@@ -54,13 +55,15 @@ def print_steps(steps):
         process = (f"process {m['process_s']:.0f} s, peak {m['peak_gib']:.1f} GiB" if "process_s" in m
                    else "no time record")                  # /usr/bin/time -v's, where the run kept one
         print(f"  step {k}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of {m['groups_drawn']}, "
-              f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, rollouts {m['rollout_s']:.0f} s, update "
+              f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, asked again "
+              f"{num(m.get('repeated_questions'), '.2f')} a conversation, rollouts {m['rollout_s']:.0f} s, update "
               f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; {process}" + (f"; curve {curve}" if curve else ""))
         by = m.get("by_user") or {}                        # the named personas, or a population's values
         if by:
             named = {u: v for u, v in by.items() if "=" not in u} or by
-            print("    by user, reward / asked before writing (n): " + ", ".join(
-                f"{u} {v['reward']:.2f} / {num(v['asked'], '.2f')} ({v['n']})" for u, v in named.items()))
+            print("    by user, reward / asked before writing / asked again (n): " + ", ".join(
+                f"{u} {v['reward']:.2f} / {num(v['asked'], '.2f')} / {num(v.get('repeated'), '.1f')} ({v['n']})"
+                for u, v in named.items()))
 
 
 def main(out, K, evaluation="eval"):

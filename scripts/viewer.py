@@ -46,7 +46,7 @@ details.ep{margin:.3em 0 .3em .8em}details.ep>summary{font-size:.93em}
 .r1{color:#070;font-weight:bold}.r0{color:#a00}.lost{color:#a60}
 .turn{border-left:3px solid #ccc;margin:.35em 0;padding:.1em .6em}.turn>b{font-size:.8em;text-transform:uppercase}
 .turn.assistant{border-color:#3a3}.turn.user{border-color:#48c}.turn.tool{border-color:#c84}
-.turn.flagged{border-color:#d33;background:#fff3f3}
+.turn.flagged{border-color:#d33;background:#fff3f3}.turn.again{border-color:#e90;background:#fff8ec}
 .note{color:#666;font-style:italic;font-size:.85em;margin-left:.5em}
 .tok{white-space:pre-wrap;word-break:break-word;font:12px/1.55 ui-monospace,Menlo,Consolas,monospace}
 .m0{color:#666}.m1{background:#cfe0f7;box-shadow:inset -1px 0 #fff}.text{white-space:pre-wrap}
@@ -197,7 +197,7 @@ def stretches(mask: list[int]) -> list[tuple[int, int, int]]:
 
 
 def turn(role: str, body: str, note: str = "") -> str:
-    label = {"assistant": "agent"}.get(role, role)
+    label = {"assistant": "agent", "assistant again": "agent, asking again"}.get(role, role)
     return (f'<div class="turn {esc(role)}"><b>{esc(label)}</b>{f"<span class=note>{esc(note)}</span>" if note else ""}'
             f'<div class=tok>{body}</div></div>')
 
@@ -213,9 +213,10 @@ def flagged_turns(check: dict | None) -> str:
                    for k, f in enumerate(tries))
 
 
-def agent_note(m: dict) -> str:
-    """What the turn did: its first tool call, the one that ran (rollout.agent_turn), and what was cut or ignored."""
-    calls, notes = m.get("tool_calls") or [], []
+def agent_note(m: dict, repeated: bool = False) -> str:
+    """What the turn did: its first tool call, the one that ran (rollout.agent_turn), and what was cut or ignored;
+    repeated: it asks again for a fact the user had given (users.repeated_questions)."""
+    calls, notes = m.get("tool_calls") or [], ["asks again for a fact the user gave"] if repeated else []
     if calls:
         notes.append(f"called {calls[0]['name']}({json.dumps(calls[0]['arguments'], ensure_ascii=False)})")
     if len(calls) > 1:
@@ -232,6 +233,7 @@ def conversation(t, vocab: Vocab) -> str:
     message, its tries the check flagged."""
     runs, parts, r = stretches(t.loss_mask), [], 0
     checks = {c["at"]: c for c in t.stats.get("user_checks", [])}     # message index -> its flagged tries
+    repeated = set(t.stats.get("repeated_at") or [])                   # agent messages that ask again
     if runs and not runs[0][2]:
         lo, hi, _ = runs[0]
         starts = [i for i in range(lo, hi) if t.token_ids[i] == vocab.turn_start]
@@ -247,7 +249,8 @@ def conversation(t, vocab: Vocab) -> str:
         agent = m["role"] == "assistant"
         parts.append(flagged_turns(checks.get(i)))
         if r < len(runs) and runs[r][2] == agent:
-            parts.append(turn(m["role"], spans(t, *runs[r][:2], vocab), agent_note(m) if agent else ""))
+            parts.append(turn(m["role"] + " again" * (i in repeated), spans(t, *runs[r][:2], vocab),
+                              agent_note(m, i in repeated) if agent else ""))
             r += 1
         else:
             parts.append(turn(m["role"], f"<span class=text>{esc(m['content'])}</span>", "no tokens: the episode ends"))
@@ -269,6 +272,8 @@ def episode(t, vocab: Vocab, label: str = "", adv: float | None = None, anchor: 
     head = [esc(label) if label else f"trial {t.trial}", f"reward {reward_html(t.reward)}"]
     head += [] if adv is None else [f"advantage <b>{adv:+.3f}</b>"]
     head += [esc(t.stop_reason), f"{t.turns} turns", f"{sum(t.loss_mask)} of {len(t.token_ids)} tokens sampled"]
+    if again := t.stats.get("repeated_at"):
+        head.append(f"<span class=lost>{len(again)} question(s) asked again for a fact the user gave</span>")
     if flags := t.stats.get("user_flags"):
         head.append("<span class=lost>user messages flagged by the check: " +
                     ", ".join(f"{esc(k)} {v}" for k, v in sorted(flags.items())) + "</span>")

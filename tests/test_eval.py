@@ -183,11 +183,11 @@ def test_behaviour_metrics_tell_apart_agents_that_each_miss_something(tasks, tok
                                                 ("silent", SilentAgent(tok))]}
     mean = lambda name, group="all": {m: v["mean"] for m, v in got[name]["behaviour"][group].items()}   # noqa: E731
     assert mean("oracle") == {"pass1": 1.0, "correct_state": 1.0, "finished": 1.0, "asked_first": 1.0,
-                              "facts_asked": 1.0, "turns": mean("oracle")["turns"]}
+                              "facts_asked": 1.0, "turns": mean("oracle")["turns"], "repeated_questions": 0.0}
     assert mean("writer") == {"pass1": 0.0, "correct_state": 1.0, "finished": 0.0, "asked_first": 0.0,
-                              "facts_asked": 0.0, "turns": 8.0}
+                              "facts_asked": 0.0, "turns": 8.0, "repeated_questions": 0.0}
     assert mean("silent") == {"pass1": 0.0, "correct_state": 0.0, "finished": 0.0, "asked_first": None,
-                              "facts_asked": 0.0, "turns": 8.0}
+                              "facts_asked": 0.0, "turns": 8.0, "repeated_questions": 0.0}
     b = got["oracle"]["behaviour"]
     assert (b["all"]["asked_first"]["n"], b["all"]["facts_asked"]["n"], b["retail"]["facts_asked"]["n"]) == (4, 2, 1)
     assert got["writer"]["stop_reasons"] == {"max_turns": 4} and got["writer"]["metrics"]["correct_state"] == \
@@ -195,7 +195,8 @@ def test_behaviour_metrics_tell_apart_agents_that_each_miss_something(tasks, tok
     results = {name: {"tau": got[name]} for name in ("writer", "oracle")}
     domain_of = {t.id: t.domain for t in tasks}
     diff = {m: ev.pair_up(results, domain_of, metric=m)[0]["oracle - writer"]["diff"] for m in ev.METRICS if m != "turns"}
-    assert diff == {"pass1": 1.0, "correct_state": 0.0, "finished": 1.0, "asked_first": 1.0, "facts_asked": 1.0}
+    assert diff == {"pass1": 1.0, "correct_state": 0.0, "finished": 1.0, "asked_first": 1.0, "facts_asked": 1.0,
+                    "repeated_questions": 0.0}
 
 
 def test_facts_asked_counts_the_withheld_facts_the_agent_asked_for():
