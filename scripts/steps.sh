@@ -14,6 +14,8 @@
 #   the second attempt: K=8 EVAL_STEPS="1 4 8" SEED=41 EVAL=eval2 bash scripts/steps.sh (steps 5-8 resume the run)
 #   the third attempt's arms (scripts/arms.sh): USER_SPEC=scripted:population passes --user to sft.py and rl.py,
 #   EVAL_EVERY=4 passes --eval-every (the curve at steps 0, 4, 8), EVAL=none stops after the steps
+#   the fifth attempt's runs (scripts/runs.sh): INIT=DIR starts the steps from that adapter instead of running the
+#   cold start (one cold start for every run), RUN_SEED=S passes --seed S to rl.py (a run's seed)
 #   SMOKE=1 bash scripts/steps.sh: every command in its --smoke form, K=2, OUT a temp dir; MODEL=DIR passes --model DIR
 #   to each (tests/test_steps.py: a tiny model)
 set -euo pipefail
@@ -25,19 +27,25 @@ else
 fi
 MODEL=${MODEL:+--model $MODEL} SEED=${SEED:-31} EVAL=${EVAL:-eval} EVAL_STEPS=${EVAL_STEPS:-"1 $K"}
 ARM="${USER_SPEC:+--user $USER_SPEC}" CURVE="${EVAL_EVERY:+--eval-every $EVAL_EVERY}"
+RUN="${RUN_SEED:+--seed $RUN_SEED}"
 done_() { [ -f "$1/adapter_config.json" ] && echo "skip: $1 exists"; }
 timed() { /usr/bin/time -v -o "$1" "${@:2}"; }      # $1: where the wall time and peak memory go
 
 mkdir -p "$OUT/rl"
-done_ "$OUT/sft/adapter" || timed "$OUT/time-sft.txt" "$PY" sft.py $SMOKE $MODEL $ARM --out "$OUT/sft"
+if [ -n "${INIT:-}" ]; then
+  [ -f "$INIT/adapter_config.json" ] || { echo "steps.sh: INIT=$INIT holds no adapter (adapter_config.json)"; exit 2; }
+else
+  INIT=$OUT/sft/adapter
+  done_ "$INIT" || timed "$OUT/time-sft.txt" "$PY" sft.py $SMOKE $MODEL $ARM --out "$OUT/sft"
+fi
 for k in $(seq 1 "$K"); do
   done_ "$OUT/step-$k" && continue
-  timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE $MODEL $ARM $CURVE --init "$OUT/sft/adapter" --steps "$k" \
+  timed "$OUT/rl/time-step-$k.txt" "$PY" rl.py $SMOKE $MODEL $ARM $CURVE $RUN --init "$INIT" --steps "$k" \
       --out "$OUT/rl"
   cp -r "$OUT/rl/adapter" "$OUT/step-$k.tmp" && mv "$OUT/step-$k.tmp" "$OUT/step-$k"
 done
 [ "$EVAL" = none ] && exit 0
-agents="$OUT/sft/adapter"
+agents="$INIT"
 for k in $(printf '%s\n' $EVAL_STEPS | sort -nu); do agents="$agents,$OUT/step-$k"; done
 "$PY" eval.py $SMOKE $MODEL --agents "$agents" --user scripted:curious,scripted:literal,scripted:train \
     --domains retail,airline --n-tasks $N_TASKS --seed "$SEED" \

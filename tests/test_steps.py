@@ -76,7 +76,7 @@ def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2
     assert set(agents) == {f"{out}/{a} @ {u}" for a in ("broad/sft/adapter", "broad/step-2", "narrow/sft/adapter",
                                                          "narrow/step-2") for u in users}
     said = run.stdout
-    assert "by user, reward / asked before writing (n): gives=one_first 0.50 / 1.00 (4)" in said
+    assert "by user, reward / asked before writing / asked again (n): gives=one_first 0.50 / 1.00 / - (4)" in said
     for pool in ("held-out personas", "training personas", "training population", "held-out: curious",
                  "held-out: literal"):
         table = said[said.index(f"\n{pool}"):]
@@ -106,3 +106,78 @@ def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2
     assert not (tmp_path / "arms_published" / "broad").exists()
     bar = run.stdout[run.stdout.index("the bar"):]
     assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
+
+
+def test_the_fifth_attempts_runs_publish_evaluate_paired_and_the_report_prints_every_run_and_the_bar(tmp_path):
+    """scripts/runs.sh in --smoke form on a tiny Qwen3, every run's K = 2 steps already there (one fresh adapter, so
+    every agent is the same policy): each run's step K published as bf16, one evaluation under the held-out
+    population (two trials a task) and one under each named held-out persona and the training personas, then
+    scripts/runs_report.py: every run's pass^1, each comparison exactly 0 with P(improvement) 0.5 (all ties), and
+    the bar; RUNS= trains only the runs it names and evaluates nothing; no INIT is one line."""
+    import rollout
+    from tiny_qwen3 import save_tiny_qwen3
+    out, tiny = tmp_path / "arms5", save_tiny_qwen3(str(tmp_path / "tiny"))
+    model, _ = rollout.load_model(tiny)
+    torch.manual_seed(0)
+    cold = tmp_path / "cold"
+    rollout.add_lora(model, r=16, alpha=32).save_pretrained(cold)
+    runs = [f"{arm}-s{s}" for s in (0, 1) for arm in ("narrow", "broad")]
+    for run in runs:
+        for k in (1, 2):
+            shutil.copytree(cold, out / run / f"step-{k}")
+        (out / run / "rl").mkdir()
+        step = dict(step=1, reward=0.5, groups_varied=1, groups_drawn=2, kl=0.001, clip_frac=0.0, rollout_s=1.0,
+                    train_s=1.0, s_per_step=2.0, repeated_questions=1.5,
+                    by_user={"chatty": dict(n=4, reward=0.5, asked=1.0, repeated=2.0)})
+        (out / run / "rl" / "metrics.jsonl").write_text(json.dumps(step) + "\n")
+    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable, "MODEL": tiny, "K": "2",
+           "SEEDS": "0 1", "INIT": str(cold)}
+    run = subprocess.run(["bash", "scripts/runs.sh"], cwd=REPO, env={**env, "RUNS": "narrow-s0"},
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and (out / "published" / "narrow-s0-step-2").is_dir(), run.stderr[-2000:]
+    assert not (out / "published" / "broad-s0-step-2").exists() and not (out / "eval-population").exists()
+    run = subprocess.run(["bash", "scripts/runs.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(run.stdout[-5000:], run.stderr[-2000:])
+    assert run.returncode == 0
+    sources = (out / "published" / "SOURCES.md").read_text()
+    assert "python rl.py --user scripted:population --eval-every 4 --seed 1 --init" in sources
+    population = json.load(open(out / "eval-population" / "results.json"))["agents"]
+    assert set(population) == {str(cold)} | {f"{out}/published/{r}-step-2" for r in runs}
+    assert all(len(trials) == 2 for a in population.values() for trials in a["tau"]["metrics"]["pass1"].values())
+    said = run.stdout
+    assert "by user, reward / asked before writing / asked again (n): chatty 0.50 / 1.00 / 2.0 (4)" in said
+    assert "asked again 1.50 a conversation" in said
+    for title in ("held-out population (2 draws a task)", "held-out: curious", "held-out: literal",
+                  "held-out: mindful", "training personas"):
+        block = said[said.index(f"\n{title}: pass^1"):]
+        rows = [line for line in block.splitlines()[1:20] if line.startswith("| ") and " RL" in line]
+        assert [r.split(" | ")[0] for r in rows] == ["| narrow RL - SFT", "| broad RL - SFT",
+                                                     "| broad RL - narrow RL"], rows
+        assert all("+0.000 [+0.000, +0.000], P(improvement) 0.50 [0.50, 0.50]" in r for r in rows), rows
+    bar = said[said.index("the bar"):]
+    assert "(>= +0.10, CI above 0): MISSED" in bar and "half-width 0.000 (<= 0.08: MET)" in bar
+    assert (out / "runs.png").exists()
+    del env["INIT"]
+    run = subprocess.run(["bash", "scripts/runs.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "set INIT" in run.stderr
+
+
+def test_the_two_level_bootstrap_and_the_probability_of_improvement_on_known_numbers():
+    """scripts/runs_report.py's statistics on hand-made runs: a difference is the mean over runs of the mean over
+    tasks; its CI widens when the runs disagree though their mean is the same; P(improvement) counts ties as half;
+    runs_needed grows with the runs' spread."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import runs_report as rr
+    import numpy as np
+    cold = np.zeros((1, 40))
+    alike = np.tile(np.r_[np.ones(20), np.zeros(20)], (3, 1))              # three runs, each 0.5
+    apart = np.stack([np.ones(40), np.r_[np.ones(20), np.zeros(20)], np.zeros(40)])   # runs 1.0, 0.5, 0.0
+    a, b = rr.compare(alike, cold, n_boot=2000), rr.compare(apart, cold, n_boot=2000)
+    assert a["diff"] == b["diff"] == 0.5
+    assert (a["ci"][1] - a["ci"][0]) < (b["ci"][1] - b["ci"][0])          # the runs' spread widens the CI
+    assert a["run_sd"][0] == 0 and b["run_sd"][0] == 0.5                  # the per-run means 1, 0.5, 0
+    assert rr.improvement(alike, cold) == 0.5 + 0.5 * 0.5                 # half the tasks won, half tied
+    assert rr.improvement(cold, cold) == 0.5
+    assert rr.runs_needed(dict(task_half=0.05, run_sd=[0.0, 0.0])) == 1        # the runs agree: one is enough
+    assert rr.runs_needed(dict(task_half=0.05, run_sd=[0.1, 0.1])) == 20       # 1.96 sqrt(.05^2/1.96^2 + .02/n) <= .08
+    assert rr.runs_needed(dict(task_half=0.10, run_sd=[0.0, 0.0])) is None     # the tasks alone are wider
