@@ -20,10 +20,13 @@ What the loop asks of a domain's world (module-level functions of the same names
   report(scores)                              optional: markdown lines beside the paper's numbers (eval.py)
 Adding a benchmark is one row below and one module in envs/benchmarks/ with those functions; envs/ours.py and
 users.py never import a benchmark module, and nothing imports this file from the world side (tests/test_layout.py).
-The users an LLM plays and their check (envs/llm_users.py) are named in USER_KINDS and imported only when used.
+USER_KINDS holds the builders of our users (users.py's scripted and no user) as functions; the users an LLM plays and
+their check (envs/llm_users.py) are named there by string and imported only when used.
 """
 import importlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+import users
 
 
 class World(NamedTuple):
@@ -74,31 +77,35 @@ def make_env(task, shaped: bool = False):
 
 
 class UserKind(NamedTuple):
-    """One row of the table of users: its builder, what may follow "KIND:", a line of help, and its ARG's check."""
-    build: str       # "MODULE:FUNCTION", (task, seed, arg, *, env, **settings) -> users.User; "": a benchmark's only
-    arg: str         # "": nothing may follow; "MODEL": required; "[...]": optional (scripted's persona or mix)
+    """One row of the table of users: its builder, what may follow "KIND:", a line of help, and its ARG's check.
+    A builder or check is a function, or "MODULE:FUNCTION" for one whose module must not load until it is used (an
+    LLM user's needs the openai client)."""
+    build: Callable | str | None   # (task, seed, arg, *, env, **settings) -> users.User; None: a benchmark's only
+    arg: str                       # "": nothing may follow; "MODEL": required; "[...]": optional (scripted's persona)
     help: str
-    check: str = ""  # "MODULE:FUNCTION", (arg, training) -> what is wrong with ARG in one line, or None
+    check: Callable | str | None = None   # (arg, training) -> what is wrong with ARG in one line, or None
 
 
 # THE table of user kinds (--user KIND or KIND:ARG): UserFactory builds from it, and common.check_args and --help
 # read it, so a user added here is a valid --user everywhere.
 USER_KINDS = {
-    "scripted": UserKind("users:scripted_user",
+    "scripted": UserKind(users.scripted_user,
                          "[PERSONA|train|heldout|A+B|population|heldout-population|axis=value/...]",
                          "rule-based and seeded (users.PERSONAS, AXES; plain: default; train: a training persona drawn "
                          "per conversation; population: a row of training values drawn per conversation; "
                          "heldout-population: a row with a held-out value, the same way)",
-                         "users:check_scripted"),
-    "none": UserKind("users:no_user", "", "no user: the whole instruction up front"),
+                         users.check_scripted),
+    "none": UserKind(users.no_user, "", "no user: the whole instruction up front"),
     "local": UserKind("envs.llm_users:local_user", "", "the policy's base model plays it"),
     "openai": UserKind("envs.llm_users:openai_user", "MODEL", "an OpenAI-compatible server's model"),
-    "oracle": UserKind("", "", "a benchmark's gold user (τ², ACEBench), for the oracle agent"),
+    "oracle": UserKind(None, "", "a benchmark's gold user (τ², ACEBench), for the oracle agent"),
 }
 
 
-def by_name(name: str):
-    """The function "MODULE:FUNCTION" names, its module imported now."""
+def by_name(name: Callable | str) -> Callable:
+    """A table's function: itself, or the one "MODULE:FUNCTION" names, its module imported now."""
+    if callable(name):
+        return name
     module, _, function = name.partition(":")
     return getattr(importlib.import_module(module), function)
 

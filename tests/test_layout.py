@@ -63,7 +63,8 @@ def imports_of(name: str) -> set:
     if name == "envs":
         import envs
         names |= {m for _, *modules in envs.WORLDS.values() for m in modules}
-        names |= {f.partition(":")[0] for kind in envs.USER_KINDS.values() for f in (kind.build, kind.check) if f}
+        names |= {f.partition(":")[0] if isinstance(f, str) else f.__module__
+                  for kind in envs.USER_KINDS.values() for f in (kind.build, kind.check) if f}
     return {m for m in map(ours, names) if m} - {name}
 
 
@@ -262,3 +263,18 @@ def test_the_reading_list_is_the_steps_files_and_imports_no_battery_but_through_
         assert batteries <= allowed, (m, batteries - allowed)
         seams = reached & {"sampler", "common"}
         assert seams <= SEAMS.get(m, set()), (m, seams)
+
+
+def test_the_table_of_users_holds_ours_as_functions_and_names_only_the_llm_users_by_string():
+    """A reader goes stage -> factory -> builder by go-to-definition: common.user_factory -> envs.UserFactory ->
+    users.scripted_user. Only what envs/ must not import eagerly (the LLM users, their openai client) is a string,
+    and importing envs leaves it unloaded."""
+    import envs
+    import users
+    kinds = envs.USER_KINDS
+    assert (kinds["scripted"].build, kinds["scripted"].check, kinds["none"].build) == \
+        (users.scripted_user, users.check_scripted, users.no_user)
+    assert all(isinstance(kinds[k].build, str) for k in ("local", "openai"))
+    loaded = subprocess.run([sys.executable, "-c", "import sys, envs; print('envs.llm_users' in sys.modules, "
+                             "'openai' in sys.modules)"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.split() == ["False", "False"]
