@@ -242,7 +242,6 @@ def evaluate(agent, tokenizer, tasks, trials: int = 2, user=envs.UserFactory("sc
     {metric: {task_id: [its value in each trial]}} and their means "behaviour" (see behaviour), "seconds".
     """
     t0 = time.time()
-    torch.manual_seed(seed)                 # run_episodes samples from torch's global RNG
     run = dict(user=user, max_turns=max_turns, max_context=max_context, progress=progress, user_workers=user_workers)
     every = rollout.run_episodes(agent, tokenizer, tasks, group_size=trials, seed=seed, **run)
     llm_users.stop_if_many_left_out(every, max_sim_failures, "evaluation")

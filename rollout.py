@@ -322,8 +322,18 @@ def load_trajectories(path: str) -> list[Trajectory]:
 
 # ----------------------------------------------------------------------------- agents
 # run_episodes calls agent.act(batch) once per round with every conversation waiting on the agent:
-#   batch: list of (task, messages, token_ids) -> list of (new_token_ids, logprobs).
+#   batch: list of AgentTurn -> list of (new_token_ids, logprobs).
 # new_token_ids end with the end-of-turn token, unless the turn was cut at max_new_tokens.
+
+class AgentTurn(NamedTuple):
+    """One conversation waiting on the agent: its task, its messages and token ids so far, and its own random stream
+    (seeded by run_episodes from seed, task and trial, as its user is): every token a sampler draws for it comes from
+    that stream, so it does not depend on what else is in the batch. None: torch's global RNG."""
+    task: object
+    messages: list
+    token_ids: list
+    rng: torch.Generator | None = None
+
 
 class TextAgent:
     """Base for text agents (sft.py oracle, eval.py endpoint): text + end-of-turn, mask 1, log-probs 0.0."""
@@ -335,8 +345,8 @@ class TextAgent:
         raise NotImplementedError
 
     def act(self, batch):
-        ids = [self.tok(self.respond(task, msgs), add_special_tokens=False).input_ids + [self.fmt.end_of_turn_id]
-               for task, msgs, _ in batch]
+        ids = [self.tok(self.respond(turn.task, turn.messages), add_special_tokens=False).input_ids +
+               [self.fmt.end_of_turn_id] for turn in batch]
         return [(x, [0.0] * len(x)) for x in ids]
 
 
@@ -389,10 +399,12 @@ def _append_turn(traj, fmt, role, content):
 
 
 class Conversation(NamedTuple):
-    """One rollout in flight: its environment, its simulated user, and the Trajectory so far."""
+    """One rollout in flight: its environment, its simulated user, the Trajectory so far, and the agent's random
+    stream for it (AgentTurn.rng)."""
     env: object
     user: object
     traj: Trajectory
+    rng: torch.Generator
 
 
 def start_conversations(tasks, trials, user, *, seed, shaped, fmt, max_new, max_context, user_workers):
@@ -418,7 +430,8 @@ def start_conversations(tasks, trials, user, *, seed, shaped, fmt, max_new, max_
             left_out(traj, first)
         if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
-        convs.append(Conversation(env, u, traj))
+        rng = torch.Generator().manual_seed(zlib.crc32(f"agent|{seed}|{task.id}|{g}".encode()))   # as the user's
+        convs.append(Conversation(env, u, traj, rng))
     for d in sorted({c.traj.domain for c in convs if c.traj.stop_reason == "context_limit"}):   # said once
         cut = [len(c.traj.token_ids) for c in convs if c.traj.domain == d and c.traj.stop_reason == "context_limit"]
         print(f"warning: {len(cut)} {d} episode(s) end before the agent's first turn: the prompt (system prompt "
@@ -489,8 +502,9 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
     conversation's simulated user, (task, seed, env) -> users.User: an envs.UserFactory, which a stage builds once
     from its --user flags (common.user_factory); or a list of them, one per task (rl.py's curve runs each of its
     users' episodes in one batch).
-    Sampling randomness comes from torch's global RNG (seed it in the caller for reproducible runs). The chat
-    format (e.g. thinking on or off) is the agent's."""
+    Sampling randomness: each conversation's own stream, seeded by (seed, task, trial) like its user (AgentTurn.rng),
+    so a rerun with the same seed samples the same tokens and two agents on a task and trial draw the same uniforms.
+    The chat format (e.g. thinking on or off) is the agent's."""
     fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)
     convs, workers = start_conversations(tasks, range(first_trial, first_trial + group_size), user, seed=seed,
@@ -501,7 +515,8 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
                bar_format="{desc}: {n}/{total} finished [{elapsed}{postfix}]")
     t0, rounds = time.time(), 0
     while active:
-        outs = agent.act([(convs[c].env.task, convs[c].traj.messages, convs[c].traj.token_ids) for c in active])
+        outs = agent.act([AgentTurn(convs[c].env.task, convs[c].traj.messages, convs[c].traj.token_ids, convs[c].rng)
+                          for c in active])
         waiting = []                                     # the conversations whose user speaks next
         for c, (ids, lps) in zip(active, outs):          # the agent's turn: appended, its tool call run
             if agent_turn(convs[c], ids, lps, fmt, tokenizer):
@@ -521,7 +536,7 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
         sampled = sum(conv.traj.stats["sampled_tokens"] for conv in convs)
         bar.set_postfix_str(f"round {rounds}, {sampled} tokens sampled, {sampled / (time.time() - t0):.1f} tok/s")
     bar.close()
-    for env, u, traj in convs:                           # scored once, on what the user could read
+    for env, u, traj, _ in convs:                        # scored once, on what the user could read
         said = [visible_text(m["content"]) for m in traj.messages if m["role"] == "assistant"]
         score = env.score(said, stop_reason=traj.stop_reason)
         traj.reward, traj.diff = float(score.reward), score.wrong

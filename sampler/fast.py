@@ -1,7 +1,8 @@
 """sampler/fast.py: the same tokens as sampler/plain.py, faster. The default sampler of rl.py and eval.py.
 
 ModelAgent advances many conversations at once and is tested equal to plain.sample_turn (tests/test_sampler.py):
-greedy turns token for token, and sampled log-probs equal to a teacher-forced recomputation. What it adds:
+turns token for token, greedy and at T = 0.7 (each conversation's own stream, plain.sample_next's rule), and
+sampled log-probs equal to a teacher-forced recomputation. What it adds:
   - every conversation's keys/values are kept between rounds, so a round prefills only the new turn, and on
     CPU all rows' new turns go through one forward packed end to end, with no padding;
   - the prefix all conversations share (the system prompt) is prefilled once, stored once and attended
@@ -19,6 +20,7 @@ from rollout import ChatFormat
 from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
                                prefill_new_turns, sampler_scratch, token_batches, token_slice, wave_scratch,
                                weight_major_linear)
+from sampler.plain import sample_next, turn_uniforms
 from sampler.static import Layout, cols_bucket, free_memory, rows_bucket, static_decoder, unsupported
 
 
@@ -30,7 +32,8 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 class ModelAgent:
     """The policy as a sampler: act() advances every waiting conversation by one turn, sampling from
-    softmax(logits / T) (no top-k/top-p; T = 0: greedy) and keeping each sampled token's log-prob.
+    softmax(logits / T) (no top-k/top-p; T = 0: greedy) by plain.sample_next, each row with the uniforms of its own
+    conversation's stream (AgentTurn.rng), and keeping each sampled token's log-prob.
 
     KV reuse, so a round costs the new tokens only: each conversation's keys/values are remembered
     between rounds (the next round prefills just the user/tool turn appended since), and the prefix all
@@ -105,8 +108,8 @@ class ModelAgent:
         """Rows grouped by the system prompt they continue (a domain's policy and tools) -> [(row indices,
         P)]: P is the prefix all of the group's rows share, at most each one's length - 1; 0 for a row alone."""
         groups = {}
-        for i, (_, messages, _) in enumerate(batch):
-            groups.setdefault(messages[0]["content"] if messages else None, []).append(i)
+        for i, turn in enumerate(batch):
+            groups.setdefault(turn.messages[0]["content"] if turn.messages else None, []).append(i)
         return [(idx, 0 if len(idx) == 1 else min(min(_common_prefix(rows[idx[0]], rows[i]) for i in idx),
                                                    min(len(rows[i]) for i in idx) - 1)) for idx in groups.values()]
 
@@ -121,12 +124,13 @@ class ModelAgent:
             self.static = static_decoder(self.model, self.sample_weights, self.kv_budget, self.KV_RESERVE)
             self.sample_weights = self.static.weights   # auto is decided once, at the first round
             self.static.begin_round()
+        uniforms = torch.stack([turn_uniforms(turn.rng, self.max_new_tokens) for turn in batch])   # (B, room)
         with lora_merged(self.model, self.merge_lora and self.decode == "eager"):
-            outs = self._act(batch, [torch.tensor(ids) for _, _, ids in batch])
+            outs = self._act(batch, [torch.tensor(turn.token_ids) for turn in batch], uniforms)
         self.model.train(was_training)
         return outs
 
-    def _act(self, batch, rows):
+    def _act(self, batch, rows, uniforms):
         groups = self._groups(batch, rows)
         gid, P = [0] * len(rows), [0] * len(rows)
         for g, (idx, p) in enumerate(groups):
@@ -157,7 +161,8 @@ class ModelAgent:
             cache, prefixes, logits = self._prefill_wave(part(rows), part(P), part(gid))
             if self.keeps_rows:                       # (one wave) every row's remembered keys/values are in `cache`
                 self.memo = []
-            done, kept = self._sample(part(rows), part(P), part(gid), cache, prefixes, logits, remember=self.keeps_rows)
+            done, kept = self._sample(part(rows), part(P), part(gid), cache, prefixes, logits, uniforms[wave],
+                                      remember=self.keeps_rows)
             for i, out in zip(wave, done):
                 outs[i] = out
             memo += kept
@@ -229,15 +234,16 @@ class ModelAgent:
                 put(i, [[(k[:, :, p:], v[:, :, p:])] for k, v in kv])
         return cache, {g: prefixes.get(g) for g in gid}, torch.stack(logits).float()
 
-    def _sample(self, rows, P, gid, cache, prefixes, logits, remember: bool):
+    def _sample(self, rows, P, gid, cache, prefixes, logits, uniforms, remember: bool):
         """Decode all rows together until each samples end-of-turn or max_new_tokens. Row i's own part sits
         left-padded in `cache` (the attention mask hides the padding) and it attends its group's shared
-        prefix, prefixes[gid[i]] (None: none); positions count the row's own tokens. -> ([(new ids,
-        log-probs)] per row, if remember, memo entries: each row's ids + sampled tokens but the last, with
-        their keys/values)."""
+        prefix, prefixes[gid[i]] (None: none); positions count the row's own tokens; its token s draws on
+        uniforms[i, s]. -> ([(new ids, log-probs)] per row, if remember, memo entries: each row's ids + sampled
+        tokens but the last, with their keys/values)."""
         eot, T, dev = self.fmt.end_of_turn_id, self.temperature, self.model.device
         if self.static:
-            return self.static.sample(rows, P, gid, cache, prefixes, logits, remember, T, eot, self.max_new_tokens)
+            return self.static.sample(rows, P, gid, cache, prefixes, logits, uniforms, remember=remember, T=T,
+                                      eot=eot, room=self.max_new_tokens)
         n, B, room = [len(r) for r in rows], len(rows), self.max_new_tokens
         L = max(a - p for a, p in zip(n, P))
         own_len = torch.tensor([a - p for a, p in zip(n, P)])
@@ -247,9 +253,7 @@ class ModelAgent:
         new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
         with attention_implementation(self.model, "shared_prefix"), weight_major_linear():
             for s in range(room):
-                logp = torch.log_softmax(logits / (T or 1.0), -1)               # (b, V)
-                tok = logits.argmax(-1) if T == 0 else torch.multinomial(logp.exp(), 1)[:, 0]
-                lp = logp.gather(-1, tok[:, None])[:, 0]
+                tok, lp = sample_next(logits, T or 1.0, T == 0, uniforms[live, s].to(dev))   # (b,) each
                 for i, t, p in zip(live.tolist(), tok.tolist(), lp.tolist()):
                     new[i].append(t)
                     lps[i].append(p)

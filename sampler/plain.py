@@ -1,9 +1,12 @@
 """sampler/plain.py: the policy as a sampler, token ids in, token ids and their log-probs out. Read this one.
 
-sample_turn is the whole idea: an HF forward pass with a KV cache, one token at a time, each sampled from
-softmax(logits / T) (T = 0: greedy), with its log-prob kept for the GRPO ratio. PlainAgent runs it for each
-waiting conversation, one after another: `python rl.py --sampler plain` and `python eval.py --sampler plain`
-run it. sampler/fast.py is the same tokens, faster (tests/test_sampler.py).
+sample_turn is the whole idea: an HF forward pass with a KV cache, one token at a time, each drawn from
+softmax(logits / T) (T = 0: greedy) by sample_next, with its log-prob kept for the GRPO ratio. Every conversation
+draws its tokens from its own random stream (run_episodes seeds it by seed, task and trial, as it seeds the user),
+one uniform a token: what a conversation samples never depends on what else is in the batch, and every sampler
+draws the same uniforms for it. PlainAgent runs it for each waiting conversation, one after another: `python rl.py
+--sampler plain` and `python eval.py --sampler plain` run it. sampler/fast.py is the same tokens, faster
+(tests/test_sampler.py: greedy and at T = 0.7).
 """
 import torch
 from transformers.cache_utils import DynamicCache
@@ -11,19 +14,46 @@ from transformers.cache_utils import DynamicCache
 from rollout import ChatFormat
 
 
+def sample_next(logits: torch.Tensor, temperature, greedy, u: torch.Tensor):
+    """THE sampling rule, written once: every sampler calls it (sample_turn, the fast sampler's decode loop, the GPU
+    static step). logits (b, V) fp32; temperature T (1 when greedy) and greedy (T == 0): a number and a bool, or
+    device tensors (the static step's graph holds them); u (b,): each row's next uniform from its conversation's
+    stream.
+    -> (tokens (b,), their log-probs under softmax(logits / T), as the update's pass computes them). Greedy: the
+    argmax of the logits. Else the inverse CDF: the first token whose cumulative probability (fp64) passes u times
+    the total."""
+    logp = torch.log_softmax(logits / temperature, -1)                 # (b, V)
+    if greedy is True:
+        tok = logits.argmax(-1)
+    else:
+        cdf = logp.exp().double().cumsum(-1)
+        tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+        tok = tok.clamp(max=logits.shape[-1] - 1)                       # u * total rounded past the last sum
+        if greedy is not False:                                          # the static step's tensor: chosen on device
+            tok = torch.where(greedy, logits.argmax(-1), tok)
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def turn_uniforms(rng, n: int) -> torch.Tensor:
+    """A conversation's next turn: n uniforms (fp64, CPU) from its stream rng (None: torch's global RNG), one for
+    each token it may sample. Every turn takes all n, however early it ends, so the next turn's uniforms do not
+    depend on how long this one was."""
+    return torch.rand(n, generator=rng, dtype=torch.float64)
+
+
 @torch.no_grad()
-def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, end_id: int, *, generator=None):
+def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, end_id: int, *, rng=None):
     """One agent turn: feed the conversation so far, then sample one token at a time until end_id or
-    max_new_tokens. -> (new token ids, the log-prob of each under softmax(logits / T))."""
-    cache = DynamicCache()
+    max_new_tokens, token s from the turn's uniform s (rng: the conversation's stream). -> (new token ids, the
+    log-prob of each under softmax(logits / T))."""
+    cache, u = DynamicCache(), turn_uniforms(rng, max_new_tokens).to(model.device)
     x = torch.tensor([ids], device=model.device)                    # (1, n): the whole prompt, once
     new, logprobs = [], []
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=x, past_key_values=cache).logits[0, -1].float()   # (V,) for the last position
-        logp = torch.log_softmax(logits / (temperature or 1.0), -1)
-        tok = logits.argmax() if temperature == 0 else torch.multinomial(logp.exp(), 1, generator=generator)[0]
+    for s in range(max_new_tokens):
+        logits = model(input_ids=x, past_key_values=cache).logits[:, -1].float()   # (1, V) for the last position
+        tok, logp = sample_next(logits, temperature or 1.0, temperature == 0, u[s:s + 1])
         new.append(int(tok))
-        logprobs.append(float(logp[tok]))
+        logprobs.append(float(logp))
         if new[-1] == end_id:
             break
         x = tok.view(1, 1)                                           # next step feeds one token; the cache has the rest
@@ -32,17 +62,17 @@ def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, 
 
 class PlainAgent:
     """run_episodes' agent interface over sample_turn: act(batch) advances each waiting conversation by one
-    turn, one conversation after another. batch: [(task, messages, token_ids)] -> [(new ids, log-probs)]."""
+    turn, one conversation after another. batch: [rollout.AgentTurn] -> [(new ids, log-probs)]."""
 
-    def __init__(self, model, tokenizer, temperature=1.0, max_new_tokens=256, thinking=False, *, generator=None):
-        self.model, self.fmt, self.generator = model, ChatFormat(tokenizer, thinking), generator
+    def __init__(self, model, tokenizer, temperature=1.0, max_new_tokens=256, thinking=False):
+        self.model, self.fmt = model, ChatFormat(tokenizer, thinking)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
 
     def act(self, batch):
         was_training = self.model.training
         self.model.eval()
-        outs = [sample_turn(self.model, ids, self.max_new_tokens, self.temperature, self.fmt.end_of_turn_id,
-                            generator=self.generator) for _, _, ids in batch]
+        outs = [sample_turn(self.model, turn.token_ids, self.max_new_tokens, self.temperature,
+                            self.fmt.end_of_turn_id, rng=turn.rng) for turn in batch]
         self.model.train(was_training)
         return outs
 

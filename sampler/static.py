@@ -12,9 +12,10 @@ had finished after every token: 72% of a 64-row round had no kernel running, the
     the shared system prompts' keys/values sit in another, read once a step for all rows;
   - a row's length, its shared prefix and its stop live in device tensors (StepState: positions, the column each
     row writes, masks, stop flags, the temperature and the end token), never in a shape: so the graph of a rows
-    bucket serves every round, every length and every prefix width. Sampling is on the device: a draw from
-    softmax(logits / T) by the Gumbel-max trick (the argmax of log p plus Gumbel noise -log E, E ~ Exp(1), is a
-    draw from p), the argmax at T = 0, and the drawn token's log-prob;
+    bucket serves every round, every length and every prefix width. Sampling is on the device, by plain.sample_next (the one
+    rule every sampler calls): the inverse CDF of softmax(logits / T) at the row's uniform for that token, drawn on
+    the host from its conversation's stream before the wave and copied in (StepState.u), the argmax at T = 0, and
+    the drawn token's log-prob;
   - decode_step calls no .item(), .tolist(), .cpu(), nonzero or boolean index (tests/test_static_decode.py fails if
     one is added). On CUDA the step of every rows bucket is captured when the buffer is made, largest first, into
     one memory pool, before any row is in it; the capture seconds are counted (captures, capture_s). On CPU the same
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from sampler.attention import KVBuffer
+from sampler.plain import sample_next
 
 CHECK_EVERY = 16            # decode steps between two looks of the host at the stop flags
 ROWS_STEP, COLS_STEP = 16, 128   # rows buckets: 1, 2, 4, 8, then multiples of 16; columns: multiples of 128
@@ -243,11 +245,12 @@ class StepState:
       prefix_bias (rows, P)  0 where a row sees a shared-prefix key (its group's), -inf elsewhere
       has_prefix (rows,) bool    the row continues a shared prefix (a row alone has none)
       out_tok, out_lp (rows, room)   the sampled tokens and their log-probs, token t in column t
+      u (rows, room) fp64    each row's uniforms for this turn, from its conversation's stream: token t draws u[:, t]
       col (1,)               the column the fed token's keys/values go to: L + t - 1
       t (1,)                 the index of the token the step samples
-      inv_t (1,), greedy (1,) bool, eot (1,)    1 / T (1 at T = 0), T == 0, and the end-of-turn token"""
-    NAMES = ("tok", "pos", "start", "done", "prefix_bias", "has_prefix", "out_tok", "out_lp", "col", "t", "inv_t",
-             "greedy", "eot")
+      temp (1,), greedy (1,) bool, eot (1,)    T (1 at T = 0), T == 0, and the end-of-turn token"""
+    NAMES = ("tok", "pos", "start", "done", "prefix_bias", "has_prefix", "out_tok", "out_lp", "u", "col", "t",
+             "temp", "greedy", "eot")
 
     def __init__(self, rows: int, prefix: int, room: int, device):
         long = dict(dtype=torch.long, device=device)
@@ -257,26 +260,17 @@ class StepState:
         self.has_prefix = torch.zeros(rows, dtype=torch.bool, device=device)
         self.out_tok, self.out_lp = torch.zeros(rows, room, **long), torch.zeros(rows, room, device=device)
         self.col, self.t, self.eot = (torch.zeros(1, **long) for _ in range(3))
-        self.inv_t = torch.ones(1, device=device)
+        self.u = torch.zeros(rows, room, dtype=torch.float64, device=device)
+        self.temp = torch.ones(1, device=device)
         self.greedy = torch.ones(1, dtype=torch.bool, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.NAMES]
 
     def sample_at(self, T: float, eot: int):
-        self.inv_t.fill_(1.0 / T if T else 1.0)
+        self.temp.fill_(T or 1.0)
         self.greedy.fill_(T == 0)
         self.eot.fill_(eot)
-
-
-def sample_tokens(logits: torch.Tensor, inv_t: torch.Tensor, greedy: torch.Tensor):
-    """logits (b, V) fp32 -> (tokens (b,), their log-probs under softmax(logits / T)), all on the device, T a tensor
-    (inv_t = 1 / T; greedy: T = 0, the argmax of the logits themselves). A draw: argmax(log p - log E), E ~ Exp(1)
-    (Gumbel-max; torch's exponential_ never returns 0)."""
-    logp = torch.log_softmax(logits * inv_t, -1)
-    drawn = logp - torch.empty_like(logp).exponential_().log()
-    tok = torch.where(greedy, logits, drawn).argmax(-1)
-    return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
 def rotate(x, cos, sin):
@@ -354,7 +348,7 @@ def decode_step(body: Body, proj: list[Projections], kv, prefix, st: StepState, 
         gate, up = p.gate_up(layer.post_attention_layernorm(x))
         x = x + p.down(layer.mlp.act_fn(gate) * up)[0]
     logits = body.head(body.norm(x))[:, 0].float()                  # (b, V)
-    new, lp = sample_tokens(logits, st.inv_t, st.greedy)
+    new, lp = sample_next(logits, st.temp, st.greedy, st.u[:b].index_select(1, st.t)[:, 0])
     st.out_tok[:b].index_copy_(1, st.t, new[:, None])
     st.out_lp[:b].index_copy_(1, st.t, lp[:, None])
     st.done[:b].logical_or_(new == st.eot)
@@ -536,10 +530,12 @@ class StaticDecoder:
 
     # -- a wave
     @torch.no_grad()
-    def sample(self, rows, P, gid, cache, prefixes, logits, remember: bool, T: float, eot: int, room: int):
+    def sample(self, rows, P, gid, cache, prefixes, logits, uniforms, *, remember: bool, T: float, eot: int,
+               room: int):
         """ModelAgent._sample with the static step: decode the wave's rows (cache: wave_buffers' KVBuffers, own
         parts left-padded to L; prefixes: {group: per layer (k, v) (1, kv_heads, P, hd), or None}; logits (B, V) of
-        each row's last token) until each samples end-of-turn or `room` tokens. -> ([(new ids, log-probs)] per row,
+        each row's last token; uniforms (B, room): each row's for this turn) until each samples end-of-turn or
+        `room` tokens. -> ([(new ids, log-probs)] per row,
         if remember, memo entries: each row's ids + sampled tokens but the last, with their keys/values)."""
         B, dev, st = len(rows), logits.device, self.state
         layer0 = cache.layers[0]
@@ -547,7 +543,8 @@ class StaticDecoder:
         first = self._load_prefixes(prefixes, gid)
         own_len = [len(r) - p for r, p in zip(rows, P)]
         st.sample_at(T, eot)
-        tok, lp = sample_tokens(logits, st.inv_t, st.greedy)    # the first token, from the prefill's logits
+        st.u[:B] = uniforms.to(dev)                              # copied in before the graphs run, never read back
+        tok, lp = sample_next(logits, st.temp, st.greedy, st.u[:B, 0])   # the first token, from the prefill's logits
         st.tok[:Bb], st.done[:Bb] = eot, True                    # padding rows: done from the start
         st.tok[:B], st.done[:B] = tok, tok == eot
         st.pos[:B] = torch.tensor([len(r) for r in rows], device=dev)
@@ -607,7 +604,7 @@ class StaticDecoder:
         for (k, v), (k2, v2) in zip(kv, new):
             moved_k, moved_v = k[idx], v[idx]                    # (n, kv_heads, S, hd): copies, before any write
             k2[:n, :, :S], v2[:n, :, :S] = moved_k, moved_v
-        for x in (st.tok, st.pos, st.start, st.done, st.prefix_bias, st.has_prefix, st.out_tok, st.out_lp):
+        for x in (st.tok, st.pos, st.start, st.done, st.prefix_bias, st.has_prefix, st.out_tok, st.out_lp, st.u):
             x[:n] = x[idx]
         st.done[n:b] = True
         return b, new

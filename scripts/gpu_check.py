@@ -213,7 +213,7 @@ def part_exact(args, ctx, part):
     log-prob equals a teacher-forced pass; 8 identical prompts at T = 1 do not all sample the same turn. On CUDA
     every round is graphed (captures > 0, no graph error) and no graph is captured after the first round."""
     from envs import ours
-    from rollout import ChatFormat, run_episodes
+    from rollout import AgentTurn, ChatFormat, run_episodes
     from sampler import ModelAgent, PlainAgent
     cuda = not args.cpu
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -252,7 +252,7 @@ def part_exact(args, ctx, part):
         torch.manual_seed(0)
         agent = ModelAgent(model, tok, temperature=1.0, max_new_tokens=16, decode="static", sample_weights="nf4")
         prompt = plain[0].token_ids[:plain[0].loss_mask.index(1)]
-        outs = agent.act([(None, plain[0].messages[:1], prompt)] * 8)
+        outs = agent.act([AgentTurn(None, plain[0].messages[:1], prompt)] * 8)   # the global RNG each
         distinct = len({tuple(ids) for ids, _ in outs})
         check(part, f"{arch}: 8 identical prompts at T = 1 sample different turns", distinct > 1,
               f"{distinct} distinct of 8")
@@ -472,8 +472,12 @@ def sampler_workload(args, ctx):
     system = [{"role": "system", "content": "one system prompt for every row"}]
 
     def batch(rows):
-        return [(None, system, shared + torch.randint(0, ids_below, (int(torch.randint(*own, (1,), generator=g)),),
-                                                      generator=g).tolist()) for _ in range(rows)]
+        from rollout import AgentTurn
+        turns = []
+        for _ in range(rows):                        # each row's length, then its ids, as the generator drew them
+            n = int(torch.randint(*own, (1,), generator=g))
+            turns.append(AgentTurn(None, system, shared + torch.randint(0, ids_below, (n,), generator=g).tolist()))
+        return turns
     return budget, batch, prefix, own
 
 
@@ -559,7 +563,8 @@ def decode_rounds(args, ctx, part, budget, batches):
             torch.manual_seed(0)
             first = timed_round(agent, batches[rows], cuda)
             user = torch.randint(0, min(len(tok), ctx.config.vocab_size), (USER_TURN,)).tolist()
-            second_batch = [(t, m, ids + new + user) for (t, m, ids), (new, _) in zip(batches[rows], first["outs"])]
+            second_batch = [turn._replace(token_ids=turn.token_ids + new + user)
+                            for turn, (new, _) in zip(batches[rows], first["outs"])]
             second = timed_round(agent, second_batch, cuda)
             if weights == "bf16" and "bf16_copy_gib" not in part:
                 part["bf16_copy_gib"] = copy_bytes(model) / GIB
@@ -635,7 +640,8 @@ def logprob_mismatch(model, tok, part, batch):
         outs = ModelAgent(model, tok, temperature=1.0, max_new_tokens=32, **kw).act(batch)
         deltas = []
         with torch.no_grad():
-            for (_, _, ids), (new, lps) in zip(batch, outs):
+            for turn, (new, lps) in zip(batch, outs):
+                ids = turn.token_ids
                 seq = torch.tensor([ids + new], device=model.device)
                 mask = torch.zeros_like(seq)
                 mask[0, len(ids):] = 1

@@ -111,7 +111,7 @@ class TRLAgent:
         self.has_logprobs = True                                # False once a call returned None (transformers)
 
     def act(self, batch):
-        new, logprobs = generate_turn(self.trainer, [list(ids) for _, _, ids in batch])
+        new, logprobs = generate_turn(self.trainer, [list(turn.token_ids) for turn in batch])
         if logprobs is None:                                    # run_episodes marks ids with log-probs as sampled
             self.has_logprobs, logprobs = False, [[0.0] * len(ids) for ids in new]
         return [(list(ids), list(lp)) for ids, lp in zip(new, logprobs)]

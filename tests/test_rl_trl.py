@@ -127,7 +127,7 @@ def test_generate_turn_is_one_sampled_turn_a_row_cut_after_eos(one_step):
         eos = [j for j, i in enumerate(x) if i in trainer.eos_token_ids]
         assert eos in ([], [len(x) - 1])                       # nothing after the first end-of-turn
     agent = rl_trl.TRLAgent(trainer, trainer.processing_class)
-    (ids, lp), = agent.act([(None, [], rows[0])])
+    (ids, lp), = agent.act([rollout.AgentTurn(None, [], rows[0])])
     assert len(lp) == len(ids) and not agent.has_logprobs
 
 

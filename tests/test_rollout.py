@@ -13,7 +13,7 @@ import envs
 from envs import ours
 import rollout
 import users
-from rollout import ChatFormat, TextAgent, parse_tool_calls, run_episodes
+from rollout import AgentTurn, ChatFormat, TextAgent, parse_tool_calls, run_episodes
 from sampler import ModelAgent
 from users import STOP, WORDS, NoUser, ScriptedUser
 
@@ -42,8 +42,8 @@ class Recorder:
 
     def act(self, batch):
         outs = self.agent.act(batch)
-        for (_, messages, _), (ids, _) in zip(batch, outs):
-            self.sampled.setdefault(id(messages), []).extend(ids)
+        for turn, (ids, _) in zip(batch, outs):
+            self.sampled.setdefault(id(turn.messages), []).extend(ids)
         return outs
 
 
@@ -231,7 +231,7 @@ def test_model_agent_logprobs_are_the_sampling_distribution(tok, tiny):
                 model.model.layers[0].self_attn.v_proj.weight.mul_(10.0)
         torch.manual_seed(k)
         fed.clear()
-        outs = agent.act([(None, [], p) for p in convs])
+        outs = agent.act([AgentTurn(None, [], p) for p in convs])
         prefill = sum(fed[:len(fed) - max(len(ids) for ids, _ in outs) + 1])   # the calls before decoding
         assert len(outs) == len(convs)
         for p, (ids, lps) in zip(convs, outs):
@@ -282,7 +282,7 @@ def test_waves_give_the_same_trajectories_as_one_batch(tok, tiny):
 
         def recorded(batch):                              # per round: wave sizes, rows kept, the shortest row, memo
             out = act(batch)
-            rounds.append(([len(w) for w in agent.waves], agent.keeps_rows, min(len(ids) for *_, ids in batch),
+            rounds.append(([len(w) for w in agent.waves], agent.keeps_rows, min(len(turn.token_ids) for turn in batch),
                            [len(m[0]) for m in agent.memo]))
             return out
         agent.act = recorded

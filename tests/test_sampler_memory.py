@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from rollout import AgentTurn
 import sampler.attention
 import sampler.static
 from sampler import ModelAgent
@@ -43,8 +44,8 @@ def workload(rows, seed=0, prefix=300, own=(100, 400)):
     g = torch.Generator().manual_seed(seed)
     shared = torch.randint(0, 2048, (prefix,), generator=g).tolist()
     system = [{"role": "system", "content": "one system prompt for every row"}]
-    return [(None, system, shared + torch.randint(0, 2048, (int(torch.randint(*own, (1,), generator=g)),),
-                                                  generator=g).tolist()) for _ in range(rows)]
+    return [AgentTurn(None, system, shared + torch.randint(0, 2048, (int(torch.randint(*own, (1,), generator=g)),),
+                                                           generator=g).tolist()) for _ in range(rows)]
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
