@@ -19,12 +19,14 @@ The training passes (micro-batches, pi_ref, the fast log-prob pass) are kernels/
 A stage imports this file, the world (envs) and the loop (rollout); never another stage.
 """
 import argparse
+import functools
 import json
 import math
 import os
 import random
 import shutil
 import sys
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -92,6 +94,38 @@ def fail(flag: str, message: str):
     """One line naming the flag, then exit 2 (argparse's status for bad input)."""
     print(f"{os.path.basename(sys.argv[0]) or 'mua-rl'}: {flag}: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+class Device(NamedTuple):
+    """What a training step does differently by device, decided once (setup_device), so that the step's functions
+    take it and branch on nothing."""
+    precision: Callable      # () -> the context the update's forward passes run in: bf16 autocast, or none at all
+    checkpointing: bool      # gradient checkpointing: less activation memory; its layers drop the shared prefix's
+                             # cache, so the log-prob pass runs every row whole
+    sampler: dict            # sampler.make_agent's device settings: kv_budget_gib (0: automatic), sample_weights
+
+
+def native_bf16() -> bool:
+    """Does this CPU compute bf16 dot products natively (AVX512-BF16 or AMX)? torch's own probes."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def setup_device(args, lora_r: int = 16) -> Device:
+    """Everything that differs by device, in one place, before the model loads: --train-bf16 auto resolved into args
+    (bf16 autocast on a CPU with native bf16; off on a GPU, whose weights already compute in bf16, and with 4-bit
+    weights); on a GPU the memory plan printed, and refused in one line when it cannot fit; gradient checkpointing
+    and the sampler's KV budget and weights as the flags (and presets) say."""
+    cuda = torch.cuda.is_available()
+    if args.train_bf16 == "auto":
+        args.train_bf16 = "on" if native_bf16() and not cuda and not args.load_in_4bit else "off"
+    if cuda:
+        import rollout
+        say_memory_plan(args, rollout.model_config(args.model or rollout.DEFAULT_MODEL),
+                        torch.cuda.get_device_properties(0).total_memory, lora_r)
+    precision = functools.partial(torch.autocast, "cuda" if cuda else "cpu", torch.bfloat16,
+                                  enabled=args.train_bf16 == "on")
+    return Device(precision, args.grad_checkpointing == "on",
+                  dict(kv_budget_gib=args.kv_budget, sample_weights=args.sample_weights))
 
 
 def say_memory_plan(args, config, card: int, lora_r: int = 16):

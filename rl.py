@@ -7,6 +7,10 @@ loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_u
     python rl.py                        # from runs/sft/adapter; the CPU preset without a GPU, paper sizes with one
     python rl.py --steps 3              # resume that run for two more steps (bash scripts/steps.sh: K steps, evaluated)
     python rl.py --sampler plain --logprob-pass plain     # the code to read: the same tokens, the update up to rounding
+The fast sampler gives the plain one's tokens, greedy and sampled: each conversation draws from its own stream, seeded
+by (seed, task, trial), through one rule (sampler/plain.py:sample_next); tested token for token at T = 0.7 on 16
+conversations, their logits a few 1e-6 apart, so a token could split only where a uniform lands that close to a
+boundary (tests/test_sampler.py).
     python rl.py --init base --out runs/rl_base           # an ablation (README: each into its own --out)
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
 Writes args.json, metrics.jsonl, rl.png, rollouts/, reference/ (the starting adapter), ckpt-NNNNNN/, adapter/ under
@@ -120,9 +124,6 @@ def parse_args(argv=None):
     g.add_argument("--train-bf16", default="auto", choices=["auto", "on", "off"], help="the update under bf16 "
                    "autocast (weights, AdamW, log-softmax fp32); auto: on for a CPU with AVX512-BF16 or AMX only")
     args = common.parse_with_preset(p, PRESETS, argv)
-    if args.train_bf16 == "auto":                 # a CPU with bf16 dot products (AVX512-BF16 or AMX)
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        args.train_bf16 = "on" if native and not torch.cuda.is_available() and not args.load_in_4bit else "off"
     common.check_args(args, at_least=dict(steps=1, tasks=1, draw=1, max_draws=1, group_size=2, max_turns=1,
                                           max_new_tokens=1, max_context=2, micro_batch=1, mini_batches=1,
                                           ckpt_every=1, eval_every=0, eval_tasks=1, eval_skip=0, lora_r=1,
@@ -221,7 +222,7 @@ def group_advantages(rewards, eps=1e-4):
 
 # ---------------------------------------------------------------- 4. the update
 
-def mini_batches(trajs, args, pad_id, seed, device) -> list[list]:
+def mini_batches(trajs, args, pad_id, seed, device, *, whole_rows=False) -> list[list]:
     """--mini-batches random subsets of the rollouts (a shuffle seeded by `seed`: a rerun splits the same way), each
     cut into micro-batches of --micro-batch. The plain pass: the subset's rows in order, right-padded. The fast pass
     (kernels/passes.py): a domain's rows together, shortest first, each domain's system prompt cut out once. A
@@ -236,7 +237,7 @@ def mini_batches(trajs, args, pad_id, seed, device) -> list[list]:
     ids, masks, domains = [t.token_ids for t in trajs], [t.loss_mask for t in trajs], [t.domain for t in trajs]
     minis = [passes.micro_batches(ids, masks, args.micro_batch, pad_id, domains, shortest_first=True, device=device,
                                   rows=rows) for rows in subsets]
-    if args.grad_checkpointing == "off":               # checkpointed layers drop the prefix's cache: every row whole
+    if not whole_rows:                                 # checkpointed layers drop the prefix's cache: every row whole
         minis = [passes.cut_shared_prefix(micro) for micro in minis]
     return minis
 
@@ -250,13 +251,14 @@ def padded(trajs, rows, pad_id, device) -> passes.MicroBatch:
                              pad([trajs[r].loss_mask for r in rows], 0))
 
 
-def grpo_update(model, optimizer, trajs, adv, args, *, pad_id, seed, at_start=False):
+def grpo_update(model, optimizer, trajs, adv, args, *, setup, pad_id, seed, at_start=False):
     """One GRPO update on the kept groups' rollouts (advantages adv, (N,)): an AdamW step on each of mini_batches'
     random subsets. The log-probs of the sampled tokens, (b, T) a micro-batch (micro_logprobs): logp under pi
-    (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the frozen start). -> the update's stats,
+    (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the frozen start). setup: the device's
+    decisions (common.setup_device: the passes' precision, whole rows under checkpointing). -> the update's stats,
     summed."""
-    minis, fast = mini_batches(trajs, args, pad_id, seed, model.device), args.logprob_pass == "fast"
-    bf16 = torch.autocast(model.device.type, torch.bfloat16, enabled=args.train_bf16 == "on")
+    minis = mini_batches(trajs, args, pad_id, seed, model.device, whole_rows=setup.checkpointing)
+    fast, bf16 = args.logprob_pass == "fast", setup.precision()
     with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
         logp_old = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
     logp_ref = logp_old            # pi_ref, the frozen start (passes.reference_policy): pi_old until RL's first step
@@ -335,14 +337,12 @@ def grpo_loss(logp, logp_old, logp_ref, adv, mask, *, clip, beta, agg, n_tokens=
 
 def main(argv=None):
     args = parse_args(argv)                       # bad input: one line, exit 2, before anything loads
+    setup = common.setup_device(args, args.lora_r)   # what differs by device, once (on a GPU: the memory plan)
     common.start_run(args, args.out, may_change=RESUME_FREE)   # as must a folder holding a run of other settings
-    if torch.cuda.is_available():                 # the memory plan, before anything loads; one that cannot fit stops
-        common.say_memory_plan(args, rollout.model_config(args.model or rollout.DEFAULT_MODEL),
-                               torch.cuda.get_device_properties(0).total_memory, args.lora_r)
     model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL, load_in_4bit=args.load_in_4bit)
     model = rollout.load_policy(model, args.init, os.path.join(args.out, "reference"), args.lora_r, args.lora_alpha,
                                 resuming=bool(common.checkpoints(args.out)))   # start_run checked --init is the run's
-    if args.grad_checkpointing == "on":           # less activation memory, more compute, no shared prefix
+    if setup.checkpointing:                       # less activation memory, more compute, no shared prefix
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
@@ -354,8 +354,8 @@ def main(argv=None):
     pools = {d: envs.make_tasks(d, "train", TASK_POOL, tiers, args.seed) for d in domains}
     heldout = [t for d in domains for t in    # the curve's: held-out tasks past those eval.py's CPU preset reports
                envs.make_tasks(d, "test", args.eval_skip + args.eval_tasks, tiers, args.seed)[args.eval_skip:]]
-    agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, args.kv_budget,
-                               args.thinking, args.sample_weights, max_context=args.max_context)
+    agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, thinking=args.thinking,
+                               max_context=args.max_context, **setup.sampler)
     make_user, tracker = common.user_factory(args, model, tok), common.tracker(args)   # users; --report-to
     make_groups = functools.partial(sample_draw, agent, tok, args, make_user)   # G conversations a task, sampled now
     if args.rollouts:                             # ablation: another run's rollouts, read back instead
@@ -363,7 +363,7 @@ def main(argv=None):
     if args.screen:                               # ablation: a group's rest only where its first K rollouts differ
         make_groups = functools.partial(screened, make_groups, args)
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
-        log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args)), tracker)
+        log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args, setup)), tracker)
     for step in range(start, args.steps):
         t0 = time.time()
         model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
@@ -374,12 +374,13 @@ def main(argv=None):
         if kept:                                  # 3. advantages within each kept group
             adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g])) for g in kept])
             model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
-            stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, pad_id=tok.pad_token_id,
-                                seed=args.seed * SEED_STRIDE + step, at_start=not optimizer.state)
+            stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, setup=setup,
+                                pad_id=tok.pad_token_id, seed=args.seed * SEED_STRIDE + step,
+                                at_start=not optimizer.state)
         seconds = dict(rollout_s=None if args.rollouts else sampled_s, train_s=time.time() - t0 - sampled_s)
         m = step_metrics(step, drawn, kept, left, stats, seconds=seconds, price=args.user_price)
         if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
-            m.update(heldout_pass1(model, tok, heldout, args))
+            m.update(heldout_pass1(model, tok, heldout, args, setup))
         log(args, metrics, m | dict(s_per_step=time.time() - t0), tracker)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
             common.save_checkpoint(args.out, step + 1, model, optimizer, metrics)
@@ -391,12 +392,12 @@ def main(argv=None):
     return metrics
 
 
-def heldout_pass1(model, tok, tasks, args) -> dict:
+def heldout_pass1(model, tok, tasks, args, setup) -> dict:
     """pass^1 of the greedy policy on the fixed held-out tasks under each of --eval-users (all in one batch), and its
     seconds; heldout_pass1 is the first user's, the training user's."""
     t0, specs = time.time(), args.eval_users.split(",")
-    agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, args.kv_budget, args.thinking,
-                               args.sample_weights, max_context=args.max_context)
+    agent = sampler.make_agent(args.sampler, model, tok, 0.0, args.max_new_tokens, thinking=args.thinking,
+                               max_context=args.max_context, **setup.sampler)
     model.eval()
     makers = [common.user_factory(args, model, tok, u) for u in specs]             # each spec checked once
     trajs = rollout.run_episodes(agent, tok, tasks * len(specs), max_turns=args.max_turns, seed=args.seed,

@@ -14,6 +14,7 @@
 The first two print a line a way: its seconds and the speedup against the baseline measured in the same run; SFT's
 also its loss and peak memory (on a CPU the process's peak RSS so far, so its ways run lowest memory first).
 """
+import contextlib
 import os
 import sys
 from types import SimpleNamespace
@@ -49,8 +50,9 @@ def bench_update(args, rows=4, prefix=1644, own=990):
           f"{harness.machine()}")
 
     def update(bf16: str, skip: bool):                     # skip: no reference pass, as on the first step
-        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(args), "train_bf16": bf16}),
-                    pad_id=tok.pad_token_id, seed=0, at_start=skip)
+        way = SimpleNamespace(**{**vars(args), "train_bf16": bf16})
+        grpo_update(model, opt, trajs, adv, way, setup=common.setup_device(way), pad_id=tok.pad_token_id, seed=0,
+                    at_start=skip)
     update("off", False)                                   # the untimed warm-up
     base = None
     for name, bf16, skip in (("fp32, reference pass", "off", False), ("fp32, no reference pass", "off", True),
@@ -152,9 +154,10 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
     adv = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)))
     args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
                            grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
+    setup = common.Device(contextlib.nullcontext, checkpointing=True, sampler={})   # the memory check's own
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     with harness.PeakMemory(cuda) as mem:     # on a GPU, what is allocated at entry is the weights
-        seconds, st = harness.timed(lambda: grpo_update(model, opt, trajs, adv, args, pad_id=0, seed=0))
+        seconds, st = harness.timed(lambda: grpo_update(model, opt, trajs, adv, args, setup=setup, pad_id=0, seed=0))
     weights_gib = mem.base / 2**30 if cuda else \
         sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
     peak = mem.peak / 2**30

@@ -125,8 +125,9 @@ def main(argv=None):
     model.train()
     params = inspect.signature(rl.grpo_update).parameters       # older commits' names, so their step traces too
     first = "at_start" if "at_start" in params else "ref_is_policy"
+    setup = {"setup": rl.common.setup_device(args)} if "setup" in params else {}   # older commits: none
     trace.run(rl.grpo_update, model, optimizer, trajs, adv, args, pad_id=tok.pad_token_id,
-              **{first: True, **({"seed": 0} if "seed" in params else {})})
+              **{first: True, **({"seed": 0} if "seed" in params else {}), **setup})
 
     lines = {f: trace.physical_lines(f) for f in trace.lines}
     rows = sorted(lines, key=lambda f: (f.startswith(WORLD), f))

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import common
 import rl as rl_module
 from kernels.passes import cut_shared_prefix, micro_batches, reference_policy
 from rl import group_advantages, grpo_loss, grpo_update, has_signal
@@ -199,7 +200,13 @@ def fake_trajs(n=4, seed=1):
 
 
 ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.1, max_grad_norm=1.0,
-                      grad_checkpointing="off", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
+                      grad_checkpointing="off", loss_agg="token-mean", train_bf16="off", logprob_pass="fast",
+                      load_in_4bit=False, kv_budget=0.0, sample_weights="auto")
+
+
+def update(model, opt, trajs, adv, args, **kw):
+    """rl.grpo_update with the device set up from args, as rl.py's main sets it up (common.setup_device)."""
+    return grpo_update(model, opt, trajs, adv, args, setup=common.setup_device(args), **kw)
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
@@ -216,12 +223,12 @@ def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
     adv = two_groups_advantages()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    total = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
+    total = update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     assert total["kl_sum"] == 0.0 and total["tokens"] == int(mask.sum()) and total["updates"] == 1
     assert total["grad_norm"] > 0
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)        # only the adapter trains
-    total2 = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
+    total2 = update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     assert total2["kl_sum"] / total2["tokens"] > 0.0
 
 
@@ -245,11 +252,11 @@ def test_an_update_makes_rewarded_rollouts_likelier_than_unrewarded_ones():
             return float((adv * (sequence_logprobs(model, ids, attn, mask) * mask).sum(1)).sum())
     before = score()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
+    update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     after = score()
     print(f"sum adv * log p: {before:.4f} -> {after:.4f}")
     assert after > before + 1e-3
-    grpo_update(model, opt, trajs, -adv, ARGS, pad_id=2, seed=0)    # the opposite rewards undo it
+    update(model, opt, trajs, -adv, ARGS, pad_id=2, seed=0)    # the opposite rewards undo it
     assert score() < after - 1e-3
 
 
@@ -286,11 +293,11 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
     assert ref_before and not any(p.requires_grad for n, p in model.named_parameters() if ".ref." in n)
     adv = two_groups_advantages()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    first = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
+    first = update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     print(f"KL at the first update {first['kl_sum'] / first['tokens']:.2e} (adapter-off base: "
           f"{st['kl_sum'] / st['tokens']:.3f})")
     assert first["kl_sum"] / first["tokens"] < 1e-6
-    second = grpo_update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
+    second = update(model, opt, trajs, adv, ARGS, pad_id=2, seed=0)
     assert second["kl_sum"] / second["tokens"] > 1e-4
     assert all(torch.equal(p, ref_before[n]) for n, p in model.named_parameters() if ".ref." in n)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -309,7 +316,7 @@ def test_skipping_the_reference_pass_before_the_first_step_is_exact(tmp_path, mi
         model = sft_policy_and_reference(tmp_path / str(skip))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
-        st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": mini_batches}),
+        st = update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": mini_batches}),
                          pad_id=2, seed=0, at_start=skip)
         runs[skip] = st, [p.detach().clone() for p in params]
     (st_pass, w_pass), (st_skip, w_skip) = runs[False], runs[True]
@@ -334,7 +341,7 @@ def test_bf16_autocast_update_follows_the_fp32_one():
         for p in params:
             torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
         before = [p.detach().clone() for p in params]
-        grpo_update(model, torch.optim.SGD(params, lr=1.0), trajs, adv,
+        update(model, torch.optim.SGD(params, lr=1.0), trajs, adv,
                     SimpleNamespace(**{**vars(ARGS), "train_bf16": bf16}), pad_id=2, seed=0)
         updates[bf16] = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)])
     cos = torch.nn.functional.cosine_similarity(updates["on"], updates["off"], dim=0)
@@ -399,7 +406,7 @@ def test_the_fast_pass_gives_the_plain_passs_update(mini_batches, domains, agg):
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)   # update = gradient
         args = SimpleNamespace(**{**vars(ARGS), "grad_checkpointing": ckpt, "mini_batches": mini_batches,
                                   "loss_agg": agg, "logprob_pass": how})
-        runs[how, ckpt] = grpo_update(model, opt, trajs, adv, args, pad_id=2, seed=0), [p.detach().clone() for p in model.parameters()]
+        runs[how, ckpt] = update(model, opt, trajs, adv, args, pad_id=2, seed=0), [p.detach().clone() for p in model.parameters()]
     (st, w), others = runs["plain", "off"], [runs["fast", "on"], runs["fast", "off"]]
     print(st, [o[0] for o in others])
     for st_fast, w_fast in others:
@@ -426,7 +433,7 @@ def test_each_mini_batch_is_a_seeded_random_subset_of_both_domains(monkeypatch):
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         steps, step = [], opt.step
         opt.step = lambda *a, **kw: steps.append(len(seen)) or step(*a, **kw)    # the calls before each AdamW step
-        st = grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": 2}), pad_id=2, seed=seed)
+        st = update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": 2}), pad_id=2, seed=seed)
         assert st["updates"] == 2 and len(steps) == 2
         return [sorted(i for rows in seen[a:b] for i in rows) for a, b in zip([0] + steps[:-1], steps)]
     first = split(seed=5)
@@ -448,7 +455,7 @@ def test_micro_batches_add_up_to_the_whole_batch(agg):
             torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(p.numel()), std=0.1)
         before = [p.detach().clone() for p in params]
         opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
-        grpo_update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "micro_batch": micro, "loss_agg": agg}),
+        update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "micro_batch": micro, "loss_agg": agg}),
                     pad_id=2, seed=0)
         updates.append([p.detach() - b for p, b in zip(params, before)])
     assert max(u.abs().max().item() for u in updates[0]) > 1e-4
@@ -461,7 +468,7 @@ def test_mini_batches_make_ratio_depart_from_one():
     adv = two_groups_advantages()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
     args = SimpleNamespace(**{**vars(ARGS), "mini_batches": 2})
-    total = grpo_update(model, opt, trajs, adv, args, pad_id=2, seed=0)
+    total = update(model, opt, trajs, adv, args, pad_id=2, seed=0)
     assert total["updates"] == 2
     assert total["clip_low"] + total["clip_high"] > 0   # big lr: 2nd mini-batch sees ratio far from 1
 
