@@ -7,14 +7,14 @@ loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_u
     python rl.py                        # from runs/sft/adapter; the CPU preset without a GPU, paper sizes with one
     python rl.py --steps 3              # resume that run for two more steps (bash scripts/steps.sh: K steps, evaluated)
     python rl.py --sampler plain --logprob-pass plain     # the code to read: the same tokens, the update up to rounding
-The fast sampler gives the plain one's tokens, greedy and sampled: each conversation draws from its own stream, seeded
-by (seed, task, trial), through one rule (sampler/plain.py:sample_next); tested token for token at T = 0.7 on 16
-conversations, their logits a few 1e-6 apart, so a token could split only where a uniform lands that close to a
-boundary (tests/test_sampler.py).
     python rl.py --init base --out runs/rl_base           # an ablation (README: each into its own --out)
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
 Writes args.json, metrics.jsonl, rl.png, rollouts/, reference/ (the starting adapter), ckpt-NNNNNN/, adapter/ under
 --out. The same command resumes after a kill; a folder holding a run with other settings is refused.
+The fast sampler gives the plain one's tokens, greedy and sampled: each conversation draws from its own stream, seeded
+by (seed, task, trial), through one rule (sampler/plain.py:sample_next); tested token for token at T = 0.7 on 16
+conversations, their logits a few 1e-6 apart, so a token could split only where a uniform lands that close to a
+boundary (tests/test_sampler.py).
 
 Simplifications versus the paper: SmolLM2-135M on CPU and LoRA, the reference a frozen copy of the starting adapter;
 our procedural domains and scripted users (a 135M model cannot play a user); PRESETS["cpu"] the same algorithm at
@@ -258,19 +258,19 @@ def grpo_update(model, optimizer, trajs, adv, args, *, setup, pad_id, seed, at_s
     decisions (common.setup_device: the passes' precision, whole rows under checkpointing). -> the update's stats,
     summed."""
     minis = mini_batches(trajs, args, pad_id, seed, model.device, whole_rows=setup.checkpointing)
-    fast, bf16 = args.logprob_pass == "fast", setup.precision()
-    with torch.no_grad(), bf16:    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
+    fast, precision = args.logprob_pass == "fast", setup.precision()   # bf16 autocast, or nothing
+    with torch.no_grad(), precision:  # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
         logp_old = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
     logp_ref = logp_old            # pi_ref, the frozen start (passes.reference_policy): pi_old until RL's first step
     if not at_start:
-        with torch.no_grad(), bf16, passes.reference_policy(model):
+        with torch.no_grad(), precision, passes.reference_policy(model):
             logp_ref = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
     stats = dict(kl_sum=0.0, clip_low=0, clip_high=0, tokens=0, grad_norm=0.0, updates=len(minis))
     adv = adv.to(model.device)
     for mini, old, ref in zip(minis, logp_old, logp_ref):   # an AdamW step a mini-batch: pi moves from the second on
         n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
         optimizer.zero_grad(set_to_none=True)
-        with bf16:
+        with precision:
             for i, logp in micro_logprobs(model, mini, args.temperature, fast):   # each backward before the next
                 loss, counts = grpo_loss(logp, old[i], ref[i], adv[mini[i].rows], mini[i].mask, clip=args.clip,
                                          beta=args.kl_coef, agg=args.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs)

@@ -430,7 +430,7 @@ def start_conversations(tasks, trials, user, *, seed, shaped, fmt, max_new, max_
             left_out(traj, first)
         if not traj.failed and len(traj.token_ids) + max_new > max_context:   # the prompt alone leaves no room to answer
             traj.stop_reason = "context_limit"
-        rng = torch.Generator().manual_seed(zlib.crc32(f"agent|{seed}|{task.id}|{g}".encode()))   # as the user's
+        rng = torch.Generator().manual_seed(zlib.crc32(f"agent|{seed}|{task.id}|{g}".encode()))   # as the user's is
         convs.append(Conversation(env, u, traj, rng))
     for d in sorted({c.traj.domain for c in convs if c.traj.stop_reason == "context_limit"}):   # said once
         cut = [len(c.traj.token_ids) for c in convs if c.traj.domain == d and c.traj.stop_reason == "context_limit"]

@@ -406,20 +406,19 @@ class ScriptedUser(User):
         report, answer a confirmation request (only that), or give the facts asked for (asked nothing: a nudge)."""
         self.replies += 1
         last = said[-1] if said else ""
+        asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
         if self.behaviour.patience == "remembers" and again:     # it says so, and gives them again, twice
             self.repeats += 1
             if self.repeats >= REPEATS_TO_LEAVE:
                 return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"
-            asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
             facts = [self._fact(k) for k in again] + self._answer([k for k in asked if k not in again])
             return " ".join([self.rng.choice(TOLD), *facts])
         if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
             if REPORTS_DONE.search(last) and not asks_confirmation(last):
                 return f"{self.rng.choice(self.words.thanks)} {STOP}"
             return self.rng.choice(self.words.wait)
-        asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
         if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
             outs = self.task.required_outputs
             if outs and all(any(o in x for x in said) for o in outs) or REFUSES.search(last):
