@@ -115,8 +115,13 @@ def repeated_questions(task, messages: list[dict]) -> list[int] | None:
     "remembers" leaves at the REPEATS_TO_LEAVE-th. None in a world without hidden facts (τ²'s tasks)."""
     if not hasattr(task, "hidden_facts"):
         return None
-    return [i for i, m in enumerate(messages) if m["role"] == "assistant"
-            and set(asks_for(task, visible_text(m["content"]))) & given(task, messages[:i])]
+    told, at = set(), []
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            told |= given(task, [m])
+        elif m["role"] == "assistant" and set(asks_for(task, visible_text(m["content"]))) & told:
+            at.append(i)
+    return at
 
 
 # ---- the scripted user: one set of rules, its conduct a row of values on named axes (Behaviour). A named persona is
@@ -386,7 +391,8 @@ class ScriptedUser(User):
     def reply(self, messages: list[dict]) -> str:
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
         last = said[-1] if said else ""
-        again = [k for k in asks_for(self.task, last) if k in given(self.task, messages)]   # what it said before
+        again = [k for k in asks_for(self.task, last) if k in given(self.task, messages)] \
+            if self.behaviour.patience == "remembers" else []              # what it said before (only it minds)
         owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
         if self.behaviour.gives == "by_name":
             self.by_name = [k for k in self.task.hidden_facts if re.search(r"\b" + k.replace("_", " "), last.lower())]
@@ -402,14 +408,15 @@ class ScriptedUser(User):
 
     def _decide(self, said: list[str], again: list[str]) -> str:
         """The reply's substance, given what the agent has said (again: the facts its last message asks for that
-        this user had given): give up, leave or repeat itself (patience remembers), thank and stop, wait for the
-        report, answer a confirmation request (only that), or give the facts asked for (asked nothing: a nudge)."""
+        this user had given, when its patience remembers; else none): give up, leave or repeat itself, thank and
+        stop, wait for the report, answer a confirmation request (only that), or give the facts asked for (asked
+        nothing: a nudge)."""
         self.replies += 1
         last = said[-1] if said else ""
         asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
-        if self.behaviour.patience == "remembers" and again:     # it says so, and gives them again, twice
+        if again:                                       # it remembers: says so, and gives them again, twice
             self.repeats += 1
             if self.repeats >= REPEATS_TO_LEAVE:
                 return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"

@@ -12,8 +12,8 @@ had finished after every token: 72% of a 64-row round had no kernel running, the
     the shared system prompts' keys/values sit in another, read once a step for all rows;
   - a row's length, its shared prefix and its stop live in device tensors (StepState: positions, the column each
     row writes, masks, stop flags, the temperature and the end token), never in a shape: so the graph of a rows
-    bucket serves every round, every length and every prefix width. Sampling is on the device, by plain.sample_next (the one
-    rule every sampler calls): the inverse CDF of softmax(logits / T) at the row's uniform for that token, drawn on
+    bucket serves every round, every length and every prefix width. Sampling is on the device, by
+    plain.sample_next (the one rule every sampler calls): the inverse CDF of softmax(logits / T) at the row's uniform for that token, drawn on
     the host from its conversation's stream before the wave and copied in (StepState.u), the argmax at T = 0, and
     the drawn token's log-prob;
   - decode_step calls no .item(), .tolist(), .cpu(), nonzero or boolean index (tests/test_static_decode.py fails if

@@ -32,8 +32,9 @@ for run in ${RUNS:-$ALL}; do
   [ "$arm" = broad ] && spec=scripted:population
   OUT="$OUT/$run" USER_SPEC=$spec RUN_SEED=$seed EVAL=none bash scripts/steps.sh
   copy="$OUT/published/$run-step-$K"
+  made="python rl.py${spec:+ --user $spec} --eval-every $EVAL_EVERY --seed $seed --init $INIT --steps k"
   [ -f "$copy/adapter_config.json" ] || "$PY" scripts/publish_adapter.py "$OUT/$run/step-$K" "$copy" \
-      "python rl.py${spec:+ --user $spec} --eval-every $EVAL_EVERY --seed $seed --init $INIT --steps k --out $OUT/$run/rl for k = 1..$K, a process a step"
+      "$made --out $OUT/$run/rl for k = 1..$K, a process a step"
 done
 [ -n "${RUNS:-}" ] && exit 0
 

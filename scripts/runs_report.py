@@ -123,7 +123,7 @@ def main(out, K):
     out = out.rstrip("/")
     cold, runs, values = load(out)
     for arm in ARMS:
-        for seed in sorted(runs[arm]) or []:
+        for seed in sorted(runs[arm]):
             print(f"\n{arm}, seed {seed}, a step a line:")
             print_steps(step_records(os.path.join(out, f"{arm}-s{seed}"), K))
     table, compared = {}, {}

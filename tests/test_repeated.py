@@ -42,7 +42,8 @@ def test_a_conversation_with_a_known_count_of_questions_asked_again():
     )
     assert users.repeated_questions(task, messages) == [5, 13]
     insurance = task_of("book_flight", "airline")
-    short = conversation(("user", "Yes."), ("assistant", "Please tell me whether you want insurance."))     # "yes" alone gives no insurance
+    short = conversation(("user", "Yes."), ("assistant", "Please tell me whether you want insurance."))
+    # "yes" alone gives no insurance: a short value counts only beside a word for its fact
     assert users.repeated_questions(insurance, short) == []
     assert users.repeated_questions(insurance, conversation(
         ("user", "My insurance is yes."), ("assistant", "Please tell me whether you want insurance."))) == [1]
