@@ -20,7 +20,7 @@ from rollout import ChatFormat
 from sampler.attention import (KVBuffer, attention_implementation, kv_bytes_per_token, lora_merged, plan_waves,
                                prefill_new_turns, sampler_scratch, token_batches, token_slice, wave_scratch,
                                weight_major_linear)
-from sampler.plain import sample_next, turn_uniforms
+from sampler.plain import sample_next
 from sampler.static import Layout, cols_bucket, free_memory, rows_bucket, static_decoder, unsupported
 
 
@@ -124,7 +124,8 @@ class ModelAgent:
             self.static = static_decoder(self.model, self.sample_weights, self.kv_budget, self.KV_RESERVE)
             self.sample_weights = self.static.weights   # auto is decided once, at the first round
             self.static.begin_round()
-        uniforms = torch.stack([turn_uniforms(turn.rng, self.max_new_tokens) for turn in batch])   # (B, room)
+        uniforms = torch.stack([torch.rand(self.max_new_tokens, generator=turn.rng, dtype=torch.float64)
+                                for turn in batch])   # (B, room): each turn takes all it may use, as sample_turn
         with lora_merged(self.model, self.merge_lora and self.decode == "eager"):
             outs = self._act(batch, [torch.tensor(turn.token_ids) for turn in batch], uniforms)
         self.model.train(was_training)

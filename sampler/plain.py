@@ -34,19 +34,14 @@ def sample_next(logits: torch.Tensor, temperature, greedy, u: torch.Tensor):
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
-def turn_uniforms(rng, n: int) -> torch.Tensor:
-    """A conversation's next turn: n uniforms (fp64, CPU) from its stream rng (None: torch's global RNG), one for
-    each token it may sample. Every turn takes all n, however early it ends, so the next turn's uniforms do not
-    depend on how long this one was."""
-    return torch.rand(n, generator=rng, dtype=torch.float64)
-
-
 @torch.no_grad()
 def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, end_id: int, *, rng=None):
     """One agent turn: feed the conversation so far, then sample one token at a time until end_id or
-    max_new_tokens, token s from the turn's uniform s (rng: the conversation's stream). -> (new token ids, the
-    log-prob of each under softmax(logits / T))."""
-    cache, u = DynamicCache(), turn_uniforms(rng, max_new_tokens).to(model.device)
+    max_new_tokens, token s from the turn's uniform u[s]. rng: the conversation's stream (None: torch's global RNG);
+    the turn takes max_new_tokens uniforms from it however early it ends, so the next turn's do not depend on this
+    one's length (sampler/fast.py draws them the same way). -> (new token ids, the log-prob of each under
+    softmax(logits / T))."""
+    cache, u = DynamicCache(), torch.rand(max_new_tokens, generator=rng, dtype=torch.float64).to(model.device)
     x = torch.tensor([ids], device=model.device)                    # (1, n): the whole prompt, once
     new, logprobs = [], []
     for s in range(max_new_tokens):
