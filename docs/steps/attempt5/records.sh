@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Copy the fifth attempt's records from ARMS (docs/steps/attempt5/resume.sh) into docs/steps/attempt5/<run>/: each
+# run's rl.py args and metrics, each step's `time -v` (wall time, peak), the sha256 of its step adapters, the CPU it
+# ran on, and steps.tsv (a line a step: when it finished, its wall time and peak). Then the evaluation's tables.
+#   bash docs/steps/attempt5/records.sh          (from the repository root)
+set -eu
+ARMS=${ARMS:-/work/arms5}
+src=$ARMS/clone/runs/arms5 dst=$(cd "$(dirname "$0")" && pwd)
+for run in narrow-s0 broad-s0 narrow-s1 broad-s1 narrow-s2 broad-s2; do
+  [ -d "$src/$run/rl" ] || continue
+  mkdir -p "$dst/$run"
+  cp "$src/$run/rl/args.json" "$dst/$run/rl_args.json"
+  cp "$src/$run/rl/metrics.jsonl" "$dst/$run/rl_metrics.jsonl"
+  [ -f "$ARMS/cpu-$run.txt" ] && cp "$ARMS/cpu-$run.txt" "$dst/$run/cpu.txt"
+  printf 'step\tfinished (UTC)\twall\tpeak (GiB)\n' > "$dst/$run/steps.tsv"
+  for k in $(seq 1 8); do
+    [ -d "$src/$run/step-$k" ] || continue
+    t=$src/$run/rl/time-step-$k.txt
+    cp "$t" "$dst/$run/time-step-$k.txt"
+    wall=$(sed -n 's/.*Elapsed (wall clock) time (h:mm:ss or m:ss): //p' "$t")
+    peak=$(awk '/Maximum resident set size/ {printf "%.1f", $NF / 1048576}' "$t")
+    printf '%s\t%s\t%s\t%s\n' "$k" "$(date -u -r "$src/$run/step-$k" '+%Y-%m-%d %H:%M')" "$wall" "$peak" >> "$dst/$run/steps.tsv"
+  done
+  (cd "$src/$run" && sha256sum step-*/adapter_model.safetensors) > "$dst/$run/adapters.sha256"
+done
+for part in eval-population eval-personas; do       # eval.py's tables and per-task numbers (episodes stay in ARMS)
+  for f in args.json results.md results.json eval.png; do
+    [ -f "$src/$part/$f" ] && mkdir -p "$dst/$part" && cp "$src/$part/$f" "$dst/$part/$f"
+  done
+done
+ls -R "$dst" | head -40
