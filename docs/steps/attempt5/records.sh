@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Copy the fifth attempt's records from ARMS (docs/steps/attempt5/resume.sh) into docs/steps/attempt5/<run>/: each
 # run's rl.py args and metrics, each step's `time -v` (wall time, peak), the sha256 of its step adapters, the CPU it
-# ran on, and steps.tsv (a line a step: when it finished, its wall time and peak). Then the evaluation's tables.
+# ran on, and steps.tsv (a line a step: when it finished, its wall time and peak). Then the published step-8
+# adapters (adapters/) and the evaluation's tables.
 #   bash docs/steps/attempt5/records.sh          (from the repository root)
 set -eu
 ARMS=${ARMS:-/work/arms5}
@@ -23,6 +24,9 @@ for run in narrow-s0 broad-s0 narrow-s1 broad-s1 narrow-s2 broad-s2; do
   done
   (cd "$src/$run" && sha256sum step-*/adapter_model.safetensors) > "$dst/$run/adapters.sha256"
 done
+if [ -d "$src/published" ]; then                    # the step-8 bf16 copies, their SHA256SUMS and SOURCES.md
+  mkdir -p "$dst/adapters" && cp -r "$src/published"/. "$dst/adapters/"
+fi
 for part in eval-population eval-personas; do       # eval.py's tables and per-task numbers (episodes stay in ARMS)
   for f in args.json results.md results.json eval.png; do
     [ -f "$src/$part/$f" ] && mkdir -p "$dst/$part" && cp "$src/$part/$f" "$dst/$part/$f"
