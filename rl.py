@@ -12,9 +12,10 @@ loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_u
 Writes args.json, metrics.jsonl, rl.png, rollouts/, reference/ (the starting adapter), ckpt-NNNNNN/, adapter/ under
 --out. The same command resumes after a kill; a folder holding a run with other settings is refused.
 The fast sampler gives the plain one's tokens, greedy and sampled: each conversation draws from its own stream, seeded
-by (seed, task, trial), through one rule (sampler/plain.py:sample_next); tested token for token at T = 0.7 on 16
-conversations, their logits a few 1e-6 apart, so a token could split only where a uniform lands that close to a
-boundary (tests/test_sampler.py).
+by its task and trial and the draw's seed (from --seed, the step and the draw), through one rule
+(sampler/plain.py:sample_next); on CPU tested token for token at T = 0.7 on 16 conversations, their logits a few 1e-6
+apart, so a token could split only where a uniform lands that close to a boundary (tests/test_sampler.py). The GPU's
+static step is tested equal greedy; sampled, its log-probs against a teacher-forced pass (tests/test_static_decode.py).
 
 Simplifications versus the paper: SmolLM2-135M on CPU and LoRA, the reference a frozen copy of the starting adapter;
 our procedural domains and scripted users (a 135M model cannot play a user); PRESETS["cpu"] the same algorithm at

@@ -503,7 +503,8 @@ def run_episodes(agent, tokenizer, tasks, group_size: int = 1, user=envs.UserFac
     from its --user flags (common.user_factory); or a list of them, one per task (rl.py's curve runs each of its
     users' episodes in one batch).
     Sampling randomness: each conversation's own stream, seeded by (seed, task, trial) like its user (AgentTurn.rng),
-    so a rerun with the same seed samples the same tokens and two agents on a task and trial draw the same uniforms.
+    so a rerun with the same seed samples the same tokens and two agents on a task and trial (with the same
+    max_new_tokens) draw the same uniforms.
     The chat format (e.g. thinking on or off) is the agent's."""
     fmt = getattr(agent, "fmt", None) or ChatFormat(tokenizer)
     max_new = getattr(agent, "max_new_tokens", 0)

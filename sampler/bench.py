@@ -132,7 +132,7 @@ def bench(model, tok, args):
     in one run: PlainAgent (one conversation at a time, the whole conversation fed every turn: the baseline, run
     at the smallest row count only, since it advances one conversation at a time),
     ModelAgent with the LoRA delta unmerged (only with --adapter), ModelAgent with each round's new turns padded
-    into batches (kernels.attention.prefill_padded: the fast sampler as it was before its prefill was packed; the
+    into batches (sampler.attention.prefill_padded: the fast sampler as it was before its prefill was packed; the
     same tokens), ModelAgent; each against the weight-matmul roofline measured in the same run. Then where
     ModelAgent's seconds went at the largest row count."""
     g = args.group_size

@@ -40,10 +40,10 @@ class ModelAgent:
     conversations share (the ~1.8k-token system prompt) is prefilled once, stored once and, while
     decoding, attended once for all rows (shared_prefix_attention). The memory is dropped when the
     weights change (an optimizer step bumps the parameters' _version counters). On CPU the LoRA delta is
-    merged into the weights for each call (kernels.attention.lora_merged; merge_lora=False: not).
+    merged into the weights for each call (sampler.attention.lora_merged; merge_lora=False: not).
 
     Waves, so 256 rollouts of 8k tokens fit one GPU: rows are decoded in waves whose cache fits
-    kv_budget bytes (kernels.attention.plan_waves; None: on CUDA the free memory at the first call minus
+    kv_budget bytes (sampler.attention.plan_waves; None: on CUDA the free memory at the first call minus
     KV_RESERVE for the training step, on CPU no limit). When the rows' keys/values would not fit a
     second time beside the wave (their copies for the next round), they are not kept: only the shared
     prefix is, and next round each row is prefilled again from it. Greedy decoding gives the same turns
@@ -52,8 +52,9 @@ class ModelAgent:
     The decode loop, decode=: "eager" runs the model's forward a token at a time and asks the host which rows
     finished after each (_sample; CPU's default, with merged LoRA and the weight-major layout); "static" runs
     sampler/static.py's step, one CUDA graph a token on a GPU (CUDA's default, for the Llama and Qwen3 layers it is
-    written for), with sample_weights "bf16" | "nf4" | "auto" (static.choose_weights). The same tokens either way
-    (tests/test_static_decode.py)."""
+    written for), with sample_weights "bf16" | "nf4" | "auto" (static.choose_weights). Greedy, the same tokens either
+    way (tests/test_static_decode.py); sampled, the static step's log-probs are a teacher-forced pass's (its bf16
+    copy of the weights rounds the logits differently, so a sampled token can split where eager would not)."""
 
     KV_RESERVE = 6 * 2**30      # what the auto budget leaves free on a GPU: the GRPO step's peak beyond the weights
 
@@ -200,7 +201,7 @@ class ModelAgent:
         (1, kv_heads, P, hd) per layer; its own part (n_i - P[i] tokens) sits left-padded in a
         (B, L + room) buffer. -> (cache, {group: per-layer prefix (k, v), or None}, last-token logits (B, V)).
         The rows of a group that continue its cached prefix are prefilled together, their new turns in one
-        forward (kernels.attention.prefill_new_turns); others (a row alone) one at a time."""
+        forward (sampler.attention.prefill_new_turns); others (a row alone) one at a time."""
         B, L, room = len(rows), max(len(r) - p for r, p in zip(rows, P)), self.max_new_tokens
         cached = [self._cached(r) for r in rows]
         cache, prefixes, logits = None, {}, [None] * B

@@ -2,11 +2,12 @@
 
 sample_turn is the whole idea: an HF forward pass with a KV cache, one token at a time, each drawn from
 softmax(logits / T) (T = 0: greedy) by sample_next, with its log-prob kept for the GRPO ratio. Every conversation
-draws its tokens from its own random stream (run_episodes seeds it by seed, task and trial, as it seeds the user),
-one uniform a token: what a conversation samples never depends on what else is in the batch, and every sampler
-draws the same uniforms for it. PlainAgent runs it for each waiting conversation, one after another: `python rl.py
---sampler plain` and `python eval.py --sampler plain` run it. sampler/fast.py is the same tokens, faster
-(tests/test_sampler.py: greedy and at T = 0.7).
+draws its tokens from its own random stream (rollout.start_conversations seeds it by seed, task and trial, as it
+seeds the user): a block of max_new_tokens uniforms a turn, token s using the block's s-th. What a conversation
+samples never depends on what else is in the batch, and every sampler with the same max_new_tokens draws the same
+uniforms for it. PlainAgent runs it for each waiting conversation, one after another: `python rl.py --sampler
+plain` and `python eval.py --sampler plain` run it. sampler/fast.py's eager loop (CPU) is the same tokens, faster
+(tests/test_sampler.py: greedy, and at T = 0.7 up to the rounding its test bounds).
 """
 import torch
 from transformers.cache_utils import DynamicCache
@@ -16,19 +17,20 @@ from rollout import ChatFormat
 
 def sample_next(logits: torch.Tensor, temperature, greedy, u: torch.Tensor):
     """THE sampling rule, written once: every sampler calls it (sample_turn, the fast sampler's decode loop, the GPU
-    static step). logits (b, V) fp32; temperature T (1 when greedy) and greedy (T == 0): a number and a bool, or
-    device tensors (the static step's graph holds them); u (b,): each row's next uniform from its conversation's
+    static step). logits (b, V) fp32; temperature: the divisor (callers pass 1.0 for T = 0); greedy: whether the
+    caller's T was 0, a Python bool (the eager samplers) or a bool tensor on the device (the static step's graph:
+    both tokens computed, the pick made on the device); u (b,): each row's next uniform from its conversation's
     stream.
-    -> (tokens (b,), their log-probs under softmax(logits / T), as the update's pass computes them). Greedy: the
-    argmax of the logits. Else the inverse CDF: the first token whose cumulative probability (fp64) passes u times
-    the total."""
+    -> (tokens (b,), their log-probs under softmax(logits / temperature), as the update's pass computes them).
+    Greedy: the argmax of the logits. Else the inverse CDF: the first token whose running sum of probabilities (fp64)
+    is past u times the total (the total, not 1: the fp32 probabilities do not sum to exactly 1)."""
     logp = torch.log_softmax(logits / temperature, -1)                 # (b, V)
     if greedy is True:
         tok = logits.argmax(-1)
     else:
         cdf = logp.exp().double().cumsum(-1)
         tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
-        tok = tok.clamp(max=logits.shape[-1] - 1)                       # u * total rounded past the last sum
+        tok = tok.clamp(max=logits.shape[-1] - 1)      # u * total rounded up to the last sum: V, so the last token
         if greedy is not False:                                          # the static step's tensor: chosen on device
             tok = torch.where(greedy, logits.argmax(-1), tok)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
@@ -39,8 +41,8 @@ def sample_turn(model, ids: list[int], max_new_tokens: int, temperature: float, 
     """One agent turn: feed the conversation so far, then sample one token at a time until end_id or
     max_new_tokens, token s from the turn's uniform u[s]. rng: the conversation's stream (None: torch's global RNG);
     the turn takes max_new_tokens uniforms from it however early it ends, so the next turn's do not depend on this
-    one's length (sampler/fast.py draws them the same way). -> (new token ids, the log-prob of each under
-    softmax(logits / T))."""
+    one's length (sampler/fast.py draws them the same way; on the CPU, where the generator is, then moved). -> (new
+    token ids, the log-prob of each under softmax(logits / T), T = 1 when greedy)."""
     cache, u = DynamicCache(), torch.rand(max_new_tokens, generator=rng, dtype=torch.float64).to(model.device)
     x = torch.tensor([ids], device=model.device)                    # (1, n): the whole prompt, once
     new, logprobs = [], []

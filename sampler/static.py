@@ -1,7 +1,7 @@
 """sampler/static.py: a decode step whose shapes are fixed and which never asks the host, so that on a GPU it is one
-CUDA graph a token, captured once per rows bucket for the run. The same tokens as sampler/plain.py
-(tests/test_static_decode.py); sampler.ModelAgent decodes with it on CUDA (decode="static"), and its prefill stays
-eager and chunked (sampler/fast.py).
+CUDA graph a token, captured once per rows bucket for the run. Greedy, the same tokens as sampler/plain.py; sampled,
+log-probs equal to a teacher-forced pass's (tests/test_static_decode.py). sampler.ModelAgent decodes with it on CUDA
+(decode="static"), and its prefill stays eager and chunked (sampler/fast.py).
 
 Why. The eager decode step of the 8B NF4 sampler launched ~1,000 kernels from Python and asked the host which rows
 had finished after every token: 72% of a 64-row round had no kernel running, the 4-bit matmuls took 4%
@@ -13,9 +13,9 @@ had finished after every token: 72% of a 64-row round had no kernel running, the
   - a row's length, its shared prefix and its stop live in device tensors (StepState: positions, the column each
     row writes, masks, stop flags, the temperature and the end token), never in a shape: so the graph of a rows
     bucket serves every round, every length and every prefix width. Sampling is on the device, by
-    plain.sample_next (the one rule every sampler calls): the inverse CDF of softmax(logits / T) at the row's uniform for that token, drawn on
-    the host from its conversation's stream before the wave and copied in (StepState.u), the argmax at T = 0, and
-    the drawn token's log-prob;
+    plain.sample_next (the one rule every sampler calls): the inverse CDF of softmax(logits / T) at the row's
+    uniform for that token, drawn on the host from its conversation's stream before the wave and copied in
+    (StepState.u), the argmax at T = 0, and the drawn token's log-prob;
   - decode_step calls no .item(), .tolist(), .cpu(), nonzero or boolean index (tests/test_static_decode.py fails if
     one is added). On CUDA the step of every rows bucket is captured when the buffer is made, largest first, into
     one memory pool, before any row is in it; the capture seconds are counted (captures, capture_s). On CPU the same

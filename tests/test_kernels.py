@@ -411,7 +411,7 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])
 def test_packed_prefill_attention_equals_attention_over_each_whole_row(heads, kv_heads):
-    """kernels.attention's packed prefill: the new tokens of rows of different lengths in one sequence, each row
+    """sampler.attention's packed prefill: the new tokens of rows of different lengths in one sequence, each row
     with its own cached tokens (none for one of them), attending the shared prefix once for all rows and merging
     it with the row's own part by log-sum-exp. Each row must equal plain causal attention over its whole
     [prefix ; cached ; new] with the kv heads repeated (transformers' SDPA path)."""
