@@ -22,7 +22,9 @@ for run in narrow-s0 broad-s0 narrow-s1 broad-s1 narrow-s2 broad-s2; do
     peak=$(awk '/Maximum resident set size/ {printf "%.1f", $NF / 1048576}' "$t")
     printf '%s\t%s\t%s\t%s\n' "$k" "$(date -u -r "$src/$run/step-$k" '+%Y-%m-%d %H:%M')" "$wall" "$peak" >> "$dst/$run/steps.tsv"
   done
-  (cd "$src/$run" && sha256sum step-*/adapter_model.safetensors) > "$dst/$run/adapters.sha256"
+  if compgen -G "$src/$run/step-*" >/dev/null; then
+    (cd "$src/$run" && sha256sum step-*/adapter_model.safetensors) > "$dst/$run/adapters.sha256"
+  fi
 done
 if [ -d "$src/published" ]; then                    # the step-8 bf16 copies, their SHA256SUMS and SOURCES.md
   mkdir -p "$dst/adapters" && cp -r "$src/published"/. "$dst/adapters/"
