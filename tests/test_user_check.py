@@ -135,8 +135,8 @@ def test_no_scripted_persona_trips_the_check_with_the_gold_agent(tok):
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_no_scripted_persona_trips_the_check_with_the_sft_agent(temperature):
     """The cold-start agent (runs/sft/adapter, or $MUA_RL_SFT_ADAPTER) errs, asks oddly, lies that it is done; the
-    scripted personas answer it as designed, and the check still flags none of their messages: 6 personas x 8
-    held-out CPU tasks, greedy and at T = 0.7."""
+    scripted personas answer it as designed, and the check still flags none of their messages: every named persona
+    (7 with mindful) x 8 held-out CPU tasks, greedy and at T = 0.7."""
     import common
     import sampler
     adapter = os.environ.get("MUA_RL_SFT_ADAPTER", "runs/sft/adapter")
@@ -148,7 +148,7 @@ def test_no_scripted_persona_trips_the_check_with_the_sft_agent(temperature):
     torch.manual_seed(0)
     tasks = envs.held_out_tasks(["retail", "airline"], 4, common.CPU_TIERS.split(","))
     episodes = persona_episodes(agent, tok, tasks)
-    assert len(episodes) == 48 and no_flags(episodes) == []
+    assert len(episodes) == 8 * len(U.PERSONAS) and no_flags(episodes) == []
 
 
 def test_a_checked_scripted_user_gives_the_same_trajectories_and_draws_no_random_number(tok):
