@@ -391,8 +391,10 @@ class ScriptedUser(User):
     def reply(self, messages: list[dict]) -> str:
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
         last = said[-1] if said else ""
-        again = [k for k in asks_for(self.task, last) if k in given(self.task, messages)] \
-            if self.behaviour.patience == "remembers" else []              # what it said before (only it minds)
+        again = []                                       # what it was asked again: only a user that remembers minds
+        if self.behaviour.patience == "remembers":
+            told = given(self.task, messages)            # once, not once a fact asked for
+            again = [k for k in asks_for(self.task, last) if k in told]
         owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
         if self.behaviour.gives == "by_name":
             self.by_name = [k for k in self.task.hidden_facts if re.search(r"\b" + k.replace("_", " "), last.lower())]
