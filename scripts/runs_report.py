@@ -101,6 +101,13 @@ def compare(X, Y, n_boot=N_BOOT, seed=0) -> dict:
             "run_sd": [float(np.std(np.nanmean(M, axis=1), ddof=1)) if len(M) > 1 else 0.0 for M in (X, Y)]}
 
 
+def mean_ci(X, n_boot=N_BOOT, seed=0):
+    """One arm's or agent's mean over runs of the mean over tasks, X (runs, tasks): its two-level 95% CI."""
+    runs, tasks = draws({"x": len(X)}, X.shape[1], n_boot, seed)
+    means = resampled_means(X, runs["x"], tasks)
+    return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
+
+
 def runs_needed(c: dict, half=HALF_WIDTH, most=100):
     """Runs an arm for a two-level half-width <= half, with the between-run spread of the per-run means held at its
     measured value and the task part held fixed: 1.96 * sqrt(task part^2 / 1.96^2 + sd_x^2 / n + sd_y^2 / n).
@@ -142,13 +149,19 @@ def main(out, K):
         for label in [cold] + [a for arm in ARMS for a in arms[arm]]:
             print(f"| {label} | {np.nanmean(matrix(per_agent, [label], tasks)):.3f} | "
                   f"{np.nanmean(matrix(asked, [label], tasks)):.2f} |")
+        for arm, labels in arms.items():
+            if labels:
+                (lo, hi), mean = mean_ci(M[arm]), np.mean(np.nanmean(M[arm], axis=1))
+                print(f"| {arm} RL, mean over {len(labels)} runs [two-level 95% CI] | {mean:.3f} [{lo:.3f}, {hi:.3f}] "
+                      f"| {np.nanmean(matrix(asked, labels, tasks)):.2f} |")
         compared[title] = {f"{arm} RL - SFT": compare(M[arm], S) for arm in M}
         if len(M) == 2:
             compared[title]["broad RL - narrow RL"] = compare(M["broad"], M["narrow"])
         print("| comparison | mean over runs [two-level 95% CI], P(improvement) [CI] |\n|---|---|")
         for name, c in compared[title].items():
             print(f"| {name} | {show(c)} |")
-        table[title] = {"cold": float(np.nanmean(S)), **{arm: list(np.nanmean(M[arm], axis=1)) for arm in M}}
+        table[title] = {"cold": float(np.nanmean(S)), **{arm: list(np.nanmean(M[arm], axis=1)) for arm in M},
+                        **{f"{arm} ci": mean_ci(M[arm]) for arm in M}}   # the same resamples as the rows above
     bar(compared.get(PRIMARY, {}))
     if table:
         picture(os.path.join(out, "runs.png"), table, K)
@@ -174,17 +187,20 @@ def bar(c):
 
 
 def picture(path, table, K):
-    """Each run's pass^1 (a dot) and each arm's mean (a bar), the cold start a line, under each user set."""
+    """Each run's pass^1 (a dot) and each arm's mean (a bar) with its two-level 95% CI (a whisker), the cold start a
+    line, under each user set."""
     fig, axes = figure(len(table), (3.2 * len(table), 3.4))
     for ax, (title, row) in zip(axes, table.items()):
         ax.axhline(row["cold"], color="grey", ls="--", lw=1, label="cold start")
         for j, arm in enumerate(a for a in ARMS if a in row):
-            ax.bar(j, np.mean(row[arm]), 0.6, color=f"C{j}", alpha=0.4)
-            ax.plot([j] * len(row[arm]), row[arm], "o", color=f"C{j}")
+            mean, (lo, hi) = np.mean(row[arm]), row[f"{arm} ci"]
+            ax.bar(j, mean, 0.6, color=f"C{j}", alpha=0.4)
+            ax.errorbar(j + 0.12, mean, [[mean - lo], [hi - mean]], color="black", capsize=4, lw=1)
+            ax.plot([j - 0.12] * len(row[arm]), row[arm], "o", color=f"C{j}")
         ax.set_xticks(range(sum(a in row for a in ARMS)), [f"{a} RL" for a in ARMS if a in row])
         ax.set(title=title, ylim=(0, 1.05))
         ax.title.set_fontsize(8)
-    axes[0].set_ylabel(f"pass^1, step {K} (dots: runs)")
+    axes[0].set_ylabel(f"pass^1, step {K} (dots: runs; whisker: 95% CI)")
     axes[0].legend(fontsize=7)
     save_figure(fig, path, dpi=100)
     print(f"picture: {path}")

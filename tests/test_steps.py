@@ -150,7 +150,9 @@ def test_the_fifth_attempts_runs_publish_evaluate_paired_and_the_report_prints_e
     for title in ("held-out population (2 draws a task)", "held-out: curious", "held-out: literal",
                   "held-out: mindful", "training personas"):
         block = said[said.index(f"\n{title}: pass^1"):]
-        rows = [line for line in block.splitlines()[1:20] if line.startswith("| ") and " RL" in line]
+        rows = [line for line in block.splitlines()[1:20] if line.startswith("| ") and " RL - " in line]
+        means = [line for line in block.splitlines()[1:20] if "RL, mean over 2 runs" in line]
+        assert [m.split(",")[0] for m in means] == ["| narrow RL", "| broad RL"], block[:2000]
         assert [r.split(" | ")[0] for r in rows] == ["| narrow RL - SFT", "| broad RL - SFT",
                                                      "| broad RL - narrow RL"], rows
         assert all("+0.000 [+0.000, +0.000], P(improvement) 0.50 [0.50, 0.50]" in r for r in rows), rows
@@ -164,8 +166,8 @@ def test_the_fifth_attempts_runs_publish_evaluate_paired_and_the_report_prints_e
 
 def test_the_two_level_bootstrap_and_the_probability_of_improvement_on_known_numbers():
     """scripts/runs_report.py's statistics on hand-made runs: a difference is the mean over runs of the mean over
-    tasks; its CI widens when the runs disagree though their mean is the same; P(improvement) counts ties as half;
-    runs_needed grows with the runs' spread."""
+    tasks; its CI widens when the runs disagree though their mean is the same, and so does one arm's (the picture's
+    whisker); P(improvement) counts ties as half; runs_needed grows with the runs' spread."""
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     import runs_report as rr
     import numpy as np
@@ -178,6 +180,9 @@ def test_the_two_level_bootstrap_and_the_probability_of_improvement_on_known_num
     assert a["run_sd"][0] == 0 and b["run_sd"][0] == 0.5                  # the per-run means 1, 0.5, 0
     assert rr.improvement(alike, cold) == 0.5 + 0.5 * 0.5                 # half the tasks won, half tied
     assert rr.improvement(cold, cold) == 0.5
+    (lo, hi), (lo_alike, hi_alike) = rr.mean_ci(apart, n_boot=2000), rr.mean_ci(alike, n_boot=2000)   # whiskers
+    assert lo < 0.5 < hi and hi - lo > hi_alike - lo_alike
+    assert rr.mean_ci(np.full((3, 40), 0.25), n_boot=200) == [0.25, 0.25]
     assert rr.runs_needed(dict(task_half=0.05, run_sd=[0.0, 0.0])) == 1        # the runs agree: one is enough
     assert rr.runs_needed(dict(task_half=0.05, run_sd=[0.1, 0.1])) == 20       # 1.96 sqrt(.05^2/1.96^2 + .02/n) <= .08
     assert rr.runs_needed(dict(task_half=0.10, run_sd=[0.0, 0.0])) is None     # the tasks alone are wider
