@@ -157,7 +157,8 @@ def test_the_fifth_attempts_runs_publish_evaluate_paired_and_the_report_prints_e
                                                      "| broad RL - narrow RL"], rows
         assert all("+0.000 [+0.000, +0.000], P(improvement) 0.50 [0.50, 0.50]" in r for r in rows), rows
     bar = said[said.index("the bar"):]
-    assert "(>= +0.10, CI above 0): MISSED" in bar and "half-width 0.000 (<= 0.08: MET)" in bar
+    assert "not final: 2 narrow runs of 3; 2 broad runs of 3; 2 tasks of 60" in bar          # no verdict on it
+    assert "(>= +0.10, CI above 0): -" in bar and "half-width (CI's width / 2) 0.000 (<= 0.08: -)" in bar
     assert (out / "runs.png").exists()
     del env["INIT"]
     run = subprocess.run(["bash", "scripts/runs.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
@@ -186,3 +187,22 @@ def test_the_two_level_bootstrap_and_the_probability_of_improvement_on_known_num
     assert rr.runs_needed(dict(task_half=0.05, run_sd=[0.0, 0.0])) == 1        # the runs agree: one is enough
     assert rr.runs_needed(dict(task_half=0.05, run_sd=[0.1, 0.1])) == 20       # 1.96 sqrt(.05^2/1.96^2 + .02/n) <= .08
     assert rr.runs_needed(dict(task_half=0.10, run_sd=[0.0, 0.0])) is None     # the tasks alone are wider
+    assert rr.runs_needed(dict(task_half=0.05, run_sd=[0.5, 0.5])) == 493      # more than a hundred: still a number
+
+
+def test_the_bar_meets_at_exactly_its_threshold_and_gives_no_verdict_on_an_incomplete_design(capsys):
+    """runs_report.bar: three runs 0.1 above the cold start MEET '>= +0.10' though 0.5 - 0.4 is 0.0999... in floats;
+    a half-width over 0.08 says how many runs would do; a design short of its runs or tasks prints no verdict."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import runs_report as rr
+    import numpy as np
+    cold, runs = np.full((1, 60), 0.4), np.full((3, 60), 0.5)
+    wide = dict(diff=0.0, ci=[-0.1, 0.1], poi=0.5, poi_ci=[0.4, 0.6], task_half=0.05, run_sd=[0.1, 0.1])
+    rr.bar({"narrow RL - SFT": rr.compare(runs, cold, n_boot=200), "broad RL - narrow RL": wide})
+    said = capsys.readouterr().out
+    assert "+0.100 [+0.100, +0.100], P(improvement) 1.00 [1.00, 1.00] (each run: +0.100, +0.100, +0.100)" in said
+    assert "(>= +0.10, CI above 0): MET" in said and "not final" not in said
+    assert "half-width (CI's width / 2) 0.100 (<= 0.08: MISSED: about 20 runs an arm would give it" in said
+    rr.bar({"narrow RL - SFT": rr.compare(runs, cold, n_boot=200)}, "2 broad runs of 3")
+    said = capsys.readouterr().out
+    assert "not final: 2 broad runs of 3" in said and "CI above 0): -" in said
