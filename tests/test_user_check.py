@@ -106,13 +106,13 @@ def test_a_message_with_nothing_in_it_is_flagged_a_bare_stop_is_not(said, reason
 # ---------------------------------------------------------------- no false alarms: scripted users are right
 
 def persona_episodes(agent, tok, tasks, trials=1, seed=1):
-    """Every persona x tasks, run by run_episodes; -> [(persona, task, trajectory)]."""
-    out = []
-    for name in U.PERSONAS:
-        trajs = rollout.run_episodes(agent, tok, tasks, group_size=trials, user=envs.UserFactory(f"scripted:{name}"), seed=seed,
-                                     progress=False, max_turns=14, max_context=8192)
-        out += [(name, tasks[t.group], t) for t in trajs]
-    return out
+    """Every persona x tasks, in one run_episodes batch (a user a row); -> [(persona, task, trajectory)]. A
+    conversation's user and sampling stream are seeded by (seed, task, trial), whatever shares its batch."""
+    rows = [(name, task) for name in U.PERSONAS for task in tasks]
+    trajs = rollout.run_episodes(agent, tok, [task for _, task in rows], group_size=trials, seed=seed,
+                                 user=[envs.UserFactory(f"scripted:{name}") for name, _ in rows], progress=False,
+                                 max_turns=14, max_context=8192)
+    return [(*rows[t.group], t) for t in trajs]
 
 
 def no_flags(episodes):
