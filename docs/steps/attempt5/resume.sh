@@ -5,8 +5,9 @@
 # - ARMS/clone: a clone of this repository at the fixed commit d344bb6 (made if missing; its .venv is this one's);
 #   scripts/runs.sh runs there, a process a step, each part skipped when its output exists.
 # - The pre-registration's rule: a run is never spliced across machines. ARMS/cpu-<run>.txt names the CPU a run
-#   started on; when the run under way finds another CPU, its steps so far go to ARMS/lost/ and it starts again
-#   from step 1. A finished run is kept, whatever CPU ran it.
+#   started on (written here for every run not begun, since runs.sh begins the next run itself); a begun, unfinished
+#   run that finds another CPU has its steps so far moved to ARMS/lost/ and starts again from step 1. A finished
+#   (published) run is kept, whatever CPU ran it.
 # - ARMS/runs.log: runs.sh's output and each start with its CPU; ARMS/runs.pid: its process group. docs/steps/attempt5/records.sh copies the records.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -23,16 +24,16 @@ if [ ! -d "$ARMS/clone" ]; then
   git -C "$ARMS/clone" checkout -q "$COMMIT"
   ln -s "$REPO/.venv" "$ARMS/clone/.venv"
 fi
-for run in narrow-s0 broad-s0 narrow-s1 broad-s1 narrow-s2 broad-s2; do   # the first run not yet published
+for run in narrow-s0 broad-s0 narrow-s1 broad-s1 narrow-s2 broad-s2; do   # every run not yet published
   [ -f "$OUT/published/$run-step-8/adapter_config.json" ] && continue
   if [ -d "$OUT/$run" ] && [ -f "$ARMS/cpu-$run.txt" ] && [ "$(cat "$ARMS/cpu-$run.txt")" != "$cpu" ]; then
     mkdir -p "$ARMS/lost"
     mv "$OUT/$run" "$ARMS/lost/$run-$(date -u +%Y%m%dT%H%M)"
     echo "$(date -u): $run began on $(cat "$ARMS/cpu-$run.txt"), this is $cpu: its steps moved to lost/, step 1 again" >> "$LOG"
-    rm "$ARMS/cpu-$run.txt"
   fi
-  [ -f "$ARMS/cpu-$run.txt" ] || echo "$cpu" > "$ARMS/cpu-$run.txt"
-  break
+  # A run not begun yet begins, if at all before this machine goes, on this CPU (runs.sh goes from one run to the
+  # next in this background process): name it now. A begun run keeps the CPU it began on.
+  [ -d "$OUT/$run" ] || echo "$cpu" > "$ARMS/cpu-$run.txt"
 done
 echo "$(date -u): started on $cpu" >> "$LOG"
 cd "$ARMS/clone"
