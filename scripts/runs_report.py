@@ -151,9 +151,10 @@ def main(out, K):
         for label in [cold] + [a for arm in ARMS for a in arms[arm]]:
             print(f"| {label} | {np.nanmean(matrix(per_agent, [label], tasks)):.3f} | "
                   f"{np.nanmean(matrix(asked, [label], tasks)):.2f} |")
+        ci = {arm: mean_ci(M[arm]) for arm in M}
         for arm, labels in arms.items():
             if labels:
-                (lo, hi), mean = mean_ci(M[arm]), np.mean(np.nanmean(M[arm], axis=1))
+                (lo, hi), mean = ci[arm], np.mean(np.nanmean(M[arm], axis=1))
                 print(f"| {arm} RL, mean over {len(labels)} runs [two-level 95% CI] | {mean:.3f} [{lo:.3f}, {hi:.3f}] "
                       f"| {np.nanmean(matrix(asked, labels, tasks)):.2f} |")
         compared[title] = {f"{arm} RL - SFT": compare(M[arm], S) for arm in M}
@@ -163,7 +164,7 @@ def main(out, K):
         for name, c in compared[title].items():
             print(f"| {name} | {show(c)} |")
         table[title] = {"cold": float(np.nanmean(S)), **{arm: list(np.nanmean(M[arm], axis=1)) for arm in M},
-                        **{f"{arm} ci": mean_ci(M[arm]) for arm in M}}   # the same resamples as the rows above
+                        **{f"{arm} ci": ci[arm] for arm in M}}
     bar(compared.get(PRIMARY, {}), missing(cold, runs, values))
     if table:
         picture(os.path.join(out, "runs.png"), table, K)
