@@ -145,7 +145,6 @@ def test_no_scripted_persona_trips_the_check_with_the_sft_agent(temperature):
     model, tok = rollout.load_model()
     model = rollout.load_adapter(model, adapter).eval()
     agent = sampler.make_agent("fast", model, tok, temperature, common.CPU_LIMITS["max_new_tokens"])
-    torch.manual_seed(0)
     tasks = envs.held_out_tasks(["retail", "airline"], 4, common.CPU_TIERS.split(","))
     episodes = persona_episodes(agent, tok, tasks)
     assert len(episodes) == 8 * len(U.PERSONAS) and no_flags(episodes) == []
