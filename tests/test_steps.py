@@ -206,3 +206,16 @@ def test_the_bar_meets_at_exactly_its_threshold_and_gives_no_verdict_on_an_incom
     rr.bar({"narrow RL - SFT": rr.compare(runs, cold, n_boot=200)}, "2 broad runs of 3")
     said = capsys.readouterr().out
     assert "not final: 2 broad runs of 3" in said and "CI above 0): -" in said
+
+
+def test_the_picture_draws_one_user_set_as_well_as_several(tmp_path):
+    """runs_report.picture: the held-out population alone (the evaluation's first half, before the personas) is a
+    picture of one panel; matplotlib hands back a bare Axes for one column unless told not to."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import runs_report as rr
+    row = {"cold": 0.4, "narrow": [0.5, 0.6, 0.4], "broad": [0.55, 0.6, 0.5],
+           "narrow ci": [0.38, 0.62], "broad ci": [0.48, 0.62]}
+    for n in (1, 2):
+        path = tmp_path / f"runs-{n}.png"
+        rr.picture(str(path), {f"user set {i}": row for i in range(n)}, 8)
+        assert path.stat().st_size > 1000
