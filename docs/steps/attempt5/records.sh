@@ -2,7 +2,8 @@
 # Copy the fifth attempt's records from ARMS (docs/steps/attempt5/resume.sh) into docs/steps/attempt5/<run>/: each
 # run's rl.py args and metrics, each step's `time -v` (wall time, peak), the sha256 of its step adapters, the CPU it
 # ran on, and steps.tsv (a line a step: when it finished, its wall time and peak). Then the published step-8
-# adapters (adapters/) and the evaluation's tables.
+# adapters (adapters/), the evaluation's tables, and scripts/runs_report.py's numbers and picture (runs_report.json,
+# runs.png: the README's).
 #   bash docs/steps/attempt5/records.sh          (from the repository root)
 set -eu
 ARMS=${ARMS:-/work/arms5}
@@ -33,5 +34,8 @@ for part in eval-population eval-personas; do       # eval.py's tables and per-t
   for f in args.json results.md results.json eval.png; do
     [ -f "$src/$part/$f" ] && mkdir -p "$dst/$part" && cp "$src/$part/$f" "$dst/$part/$f"
   done
+done
+for f in runs_report.json runs.png; do               # written by python scripts/runs_report.py ARMS/clone/runs/arms5 8
+  [ -f "$src/$f" ] && cp "$src/$f" "$dst/$f"
 done
 ls -R "$dst" | head -40
