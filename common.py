@@ -400,11 +400,13 @@ def plot_panels(path: str, panels: list, dpi: int = 90):
 
 
 def figure(ncols: int, size: tuple, **kw):
-    """A row of ncols matplotlib axes, drawn without a display. -> (fig, axes)"""
+    """A row of ncols matplotlib axes, drawn without a display, a row even when ncols is 1 (matplotlib would hand
+    back a bare Axes). -> (fig, axes)"""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    return plt.subplots(1, ncols, figsize=size, **kw)
+    fig, axes = plt.subplots(1, ncols, figsize=size, squeeze=False, **kw)
+    return fig, axes[0]
 
 
 def save_figure(fig, path: str, dpi: int = 90):

@@ -209,8 +209,7 @@ def missing(cold, runs, values):
 def picture(path, table, K):
     """Each run's pass^1 (a dot) and each arm's mean (a bar) with its two-level 95% CI (a whisker), the cold start a
     line, under each user set."""
-    fig, axes = figure(len(table), (3.2 * len(table), 3.4), squeeze=False)   # one user set: still a row
-    axes = axes[0]
+    fig, axes = figure(len(table), (3.2 * len(table), 3.4))
     for ax, (title, row) in zip(axes, table.items()):
         ax.axhline(row["cold"], color="grey", ls="--", lw=1, label="cold start")
         for j, arm in enumerate(a for a in ARMS if a in row):

@@ -210,7 +210,7 @@ def test_the_bar_meets_at_exactly_its_threshold_and_gives_no_verdict_on_an_incom
 
 def test_the_picture_draws_one_user_set_as_well_as_several(tmp_path):
     """runs_report.picture: the held-out population alone (the evaluation's first half, before the personas) is a
-    picture of one panel; matplotlib hands back a bare Axes for one column unless told not to."""
+    picture of one panel; matplotlib hands back a bare Axes for one column unless common.figure tells it not to."""
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     import runs_report as rr
     row = {"cold": 0.4, "narrow": [0.5, 0.6, 0.4], "broad": [0.55, 0.6, 0.5],
