@@ -3,7 +3,7 @@
 # run's rl.py args and metrics, each step's `time -v` (wall time, peak), the sha256 of its step adapters, the CPU it
 # ran on, and steps.tsv (a line a step: when it finished, its wall time and peak). Then the published step-8
 # adapters (adapters/), the evaluation's tables, and scripts/runs_report.py's numbers and picture (runs_report.json,
-# runs.png: the README's).
+# runs.png: the README's), made again here by this repository's copy of the report.
 #   bash docs/steps/attempt5/records.sh          (from the repository root)
 set -eu
 ARMS=${ARMS:-/work/arms5}
@@ -35,7 +35,9 @@ for part in eval-population eval-personas; do       # eval.py's tables and per-t
     [ -f "$src/$part/$f" ] && mkdir -p "$dst/$part" && cp "$src/$part/$f" "$dst/$part/$f"
   done
 done
-for f in runs_report.json runs.png; do               # written by python scripts/runs_report.py ARMS/clone/runs/arms5 8
-  [ -f "$src/$f" ] && cp "$src/$f" "$dst/$f"
-done
+if [ -f "$src/eval-population/results.json" ]; then   # the report redrawn by this repository's runs_report.py, not
+  repo=$(cd "$dst/../../.." && pwd)                    # the clone's (d344bb6's draws no whisker): it writes into $src
+  "${PYTHON:-$repo/.venv/bin/python}" "$repo/scripts/runs_report.py" "$src" 8 > /dev/null
+  for f in runs_report.json runs.png; do cp "$src/$f" "$dst/$f"; done
+fi
 ls -R "$dst" | head -40
