@@ -17,7 +17,7 @@
 #   attempt's narrow arm copied into OUT/narrow; every file the sums name is checked before the evaluation
 #   AGENTS=A,B,C,D evaluates those four adapter folders instead (broad SFT, broad step K, narrow SFT, narrow step K:
 #   the published bf16 copies, say), trains nothing and checks no sums; the report reads them from the evaluation
-#   SMOKE=1 MODEL=DIR K=2 OUT=DIR: every command in its --smoke form on a model DIR (tests/test_steps.py)
+#   SMOKE=1 MODEL=DIR K=2 OUT=DIR: every command in its --smoke form on a model DIR (tests/test_steps.py, -m slow)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/arms} K=${K:-8} SEED=${SEED:-73} ARMS=${ARMS:-"broad narrow"} EVAL_EVERY=${EVAL_EVERY:-4}

@@ -10,11 +10,13 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow      # the first two attempts' recipe (finished, frozen): an evaluation of three agents, ~17 s alone
 def test_the_preregistered_evaluation_runs_in_smoke_form_and_the_report_prints_the_bar(tmp_path):
     import rollout
     from tiny_qwen3 import save_tiny_qwen3
@@ -44,6 +46,7 @@ def test_the_preregistered_evaluation_runs_in_smoke_form_and_the_report_prints_t
     assert os.path.exists(out / "eval" / "steps.png")
 
 
+@pytest.mark.slow      # the third and fourth attempts' recipe (finished, frozen): four agents x four user sets, ~40 s
 def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2x2_and_the_bar(tmp_path):
     """scripts/arms.sh in --smoke form, every arm's adapters already there (the cold start and K = 2 steps of a tiny
     Qwen3, all one fresh adapter): one evaluation of the four agents under the held-out personas, the training ones
