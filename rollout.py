@@ -121,7 +121,8 @@ def add_lora(model, r: int, alpha: int, dropout: float = 0.0):
 def load_adapter(model, path: str, trainable: bool = False):
     from peft import PeftModel
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
-        raise SystemExit(f"no LoRA adapter at {path}: train one first (python sft.py) or fix the path")
+        raise SystemExit(f"no LoRA adapter at {path}: train one first (python sft.py), fix the path, or put the "
+                         f"published ones under docs/steps/ back (bash scripts/adapters.sh)")
     with _peft_reads_a_deprecated_property():
         return PeftModel.from_pretrained(model, path, is_trainable=trainable)
 

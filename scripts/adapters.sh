@@ -15,7 +15,7 @@ OUT=${OUT:-.}
 ATTEMPT=${1:-attempt*}
 shopt -s nullglob
 sums_files=(docs/steps/$ATTEMPT/adapters/SHA256SUMS)
-[ ${#sums_files[@]} -gt 0 ] \
+[ -f "${sums_files[0]:-}" ] \
   || { echo "adapters.sh: no published adapters under docs/steps/$ATTEMPT (attempt3, attempt4, attempt5)" >&2; exit 2; }
 
 for sums in "${sums_files[@]}"; do

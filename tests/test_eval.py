@@ -407,6 +407,33 @@ def test_a_published_adapter_is_the_trained_one_in_bf16_and_loads_as_an_agent(tm
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
+def test_the_published_adapters_come_back_from_history_with_their_sha256(tmp_path):
+    """scripts/adapters.sh: every adapter a SHA256SUMS under docs/steps/ lists, its bytes out of the tree, comes back
+    from the history into OUT, config and weights, each weight file with the digest listed (hashed here, not by the
+    script); an attempt with none is refused in one line, exit 2, nothing written."""
+    import glob
+    import hashlib
+    import subprocess
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=repo, capture_output=True, text=True)
+    if git.returncode != 0 or git.stdout.strip() != "false":
+        pytest.skip("not a git clone with its whole history: the adapters live there")
+    env = {**os.environ, "OUT": str(tmp_path / "back")}
+    run = subprocess.run(["bash", "scripts/adapters.sh"], cwd=repo, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    listed = 0
+    for sums in glob.glob(os.path.join(repo, "docs/steps/attempt*/adapters/SHA256SUMS")):
+        folder = tmp_path / "back" / os.path.relpath(os.path.dirname(sums), repo)
+        for digest, weights in (line.split() for line in open(sums)):
+            assert hashlib.sha256((folder / weights).read_bytes()).hexdigest() == digest
+            assert (folder / os.path.dirname(weights) / "adapter_config.json").is_file()
+            listed += 1
+    assert listed == 12                   # attempts 3, 4 and 5: 3 + 3 + 6
+    env["OUT"] = str(tmp_path / "none")
+    bad = subprocess.run(["bash", "scripts/adapters.sh", "attempt9"], cwd=repo, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not (tmp_path / "none").exists()
+
+
 def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):
     """OpenAIAgent speaks plain chat to any OpenAI-compatible server: tool results go out as user turns."""
     import threading

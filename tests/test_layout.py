@@ -2,12 +2,15 @@
 stages <- scripts), with no circle even through an import inside a function; the world side never imports a benchmark
 module or the model side; the stages never import each other and nothing imports scripts/; kernels/ imports nothing
 of ours; each file says what it holds and the README's map names it; and bitsandbytes' probe of our kernels/ package
-logs no false error, while a real one still prints (a whole run's log: tests/test_rl.py's smoke test)."""
+logs no false error, while a real one still prints (a whole run's log: tests/test_rl.py's smoke test); and the tracked
+tree fits a lent GPU machine beside its kit."""
 import ast
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOP = {   # every visible top-level entry, and what it holds
@@ -278,3 +281,17 @@ def test_the_table_of_users_holds_ours_as_functions_and_names_only_the_llm_users
     loaded = subprocess.run([sys.executable, "-c", "import sys, envs; print('envs.llm_users' in sys.modules, "
                              "'openai' in sys.modules)"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.split() == ["False", "False"]
+
+
+def test_the_tracked_tree_fits_a_lent_gpu_machine_beside_its_kit():
+    """A lent GPU machine takes the working tree and what a call carries, 64 MiB in all; the kit docs/gpu.md's command
+    carries is 9.3 MiB. So the tracked files stay under 48 MiB: published adapters (9.8 MB each) live in the history,
+    put back by scripts/adapters.sh, not in the tree."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git clone: no tracked files to weigh")
+    paths = [p for p in listed.stdout.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p))]
+    size = sum(os.path.getsize(os.path.join(ROOT, p)) for p in paths)
+    assert size < 48 * 2**20, f"the tracked tree is {size / 2**20:.1f} MiB; the largest: " + \
+        ", ".join(sorted(paths, key=lambda p: -os.path.getsize(os.path.join(ROOT, p)))[:5])
+
