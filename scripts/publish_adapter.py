@@ -8,6 +8,8 @@ published adapter is the trained one rounded to bf16, not bit for bit the same p
     python scripts/publish_adapter.py SRC DST "the command that made SRC"
 
 The command goes into SOURCES.md as given (Markdown: the command itself in backticks, a note beside it).
+Adapter folders under docs/steps/*/adapters/ are ignored by git, as their bytes live in the history
+(scripts/adapters.sh puts them back): publish with `git add -f DST`, then remove DST in a later commit.
 """
 import hashlib
 import os

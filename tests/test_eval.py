@@ -407,31 +407,49 @@ def test_a_published_adapter_is_the_trained_one_in_bf16_and_loads_as_an_agent(tm
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
-def test_the_published_adapters_come_back_from_history_with_their_sha256(tmp_path):
-    """scripts/adapters.sh: every adapter a SHA256SUMS under docs/steps/ lists, its bytes out of the tree, comes back
-    from the history into OUT, config and weights, each weight file with the digest listed (hashed here, not by the
-    script); an attempt with none is refused in one line, exit 2, nothing written."""
+def test_the_published_adapters_come_back_from_history_with_their_sha256(tmp_path, capsys):
+    """scripts/adapters.sh: every adapter a SHA256SUMS under docs/steps/ lists, most of them out of the tree, is
+    written back from git's objects into a clone's tree (the default) and into OUT: each weight file with the digest
+    listed (hashed here, not by the script), each config as eb9c7ae (the last commit with all twelve) holds it, a
+    damaged copy written again, the clone's status as before. An attempt with none is refused in one line, exit 2,
+    nothing written; eval.py refuses a published adapter not yet back in one line that names the script."""
     import glob
     import hashlib
+    import shutil
     import subprocess
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     git = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=repo, capture_output=True, text=True)
     if git.returncode != 0 or git.stdout.strip() != "false":
         pytest.skip("not a git clone with its whole history: the adapters live there")
-    env = {**os.environ, "OUT": str(tmp_path / "back")}
-    run = subprocess.run(["bash", "scripts/adapters.sh"], cwd=repo, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    listed = 0
-    for sums in glob.glob(os.path.join(repo, "docs/steps/attempt*/adapters/SHA256SUMS")):
-        folder = tmp_path / "back" / os.path.relpath(os.path.dirname(sums), repo)
-        for digest, weights in (line.split() for line in open(sums)):
-            assert hashlib.sha256((folder / weights).read_bytes()).hexdigest() == digest
-            assert (folder / os.path.dirname(weights) / "adapter_config.json").is_file()
-            listed += 1
-    assert listed == 12                   # attempts 3, 4 and 5: 3 + 3 + 6
-    env["OUT"] = str(tmp_path / "none")
-    bad = subprocess.run(["bash", "scripts/adapters.sh", "attempt9"], cwd=repo, env=env, capture_output=True, text=True)
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--local", repo, str(clone)], check=True)
+    shutil.copy(os.path.join(repo, "scripts", "adapters.sh"), clone / "scripts")       # the script as it is now
+    status = lambda: subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
+    before = status()                                  # empty once the script is committed
+    tracked = clone / "docs/steps/attempt4/adapters/narrow-sft/adapter_model.safetensors"
+    tracked.write_bytes(tracked.read_bytes()[:100])                                      # damaged
+    for root in (clone, tmp_path / "out"):
+        env = {**os.environ, **({"OUT": str(root)} if root != clone else {})}
+        run = subprocess.run(["bash", "scripts/adapters.sh"], cwd=clone, env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        listed = 0
+        for sums in glob.glob(str(clone / "docs/steps/attempt*/adapters/SHA256SUMS")):
+            folder = os.path.relpath(os.path.dirname(sums), clone)
+            for digest, weights in (line.split() for line in open(sums)):
+                assert hashlib.sha256((root / folder / weights).read_bytes()).hexdigest() == digest
+                config = os.path.join(folder, os.path.dirname(weights), "adapter_config.json")
+                held = subprocess.run(["git", "show", f"eb9c7ae:{config}"], cwd=repo, capture_output=True, check=True)
+                assert (root / config).read_bytes() == held.stdout
+                listed += 1
+        assert listed == 12                   # attempts 3, 4 and 5: 3 + 3 + 6
+    assert status() == before                 # the damaged tracked copy is whole again; the rest are ignored
+    env = {**os.environ, "OUT": str(tmp_path / "none")}
+    bad = subprocess.run(["bash", "scripts/adapters.sh", "attempt9"], cwd=clone, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not (tmp_path / "none").exists()
+    with pytest.raises(SystemExit) as e:
+        ev.parse_args(["--agents", str(tmp_path / "none" / "docs/steps/attempt5/adapters/narrow-s0-step-8")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "bash scripts/adapters.sh" in err
 
 
 def test_openai_endpoint_agent_against_a_local_fake_server(tasks, tok):

@@ -294,4 +294,3 @@ def test_the_tracked_tree_fits_a_lent_gpu_machine_beside_its_kit():
     size = sum(os.path.getsize(os.path.join(ROOT, p)) for p in paths)
     assert size < 48 * 2**20, f"the tracked tree is {size / 2**20:.1f} MiB; the largest: " + \
         ", ".join(sorted(paths, key=lambda p: -os.path.getsize(os.path.join(ROOT, p)))[:5])
-
