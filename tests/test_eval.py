@@ -410,7 +410,7 @@ def test_a_published_adapter_is_the_trained_one_in_bf16_and_loads_as_an_agent(tm
 def test_the_published_adapters_come_back_from_history_with_their_sha256(tmp_path, capsys):
     """scripts/adapters.sh: every adapter a SHA256SUMS under docs/steps/ lists, most of them out of the tree, is
     written back from git's objects into a clone's tree (the default) and into OUT: each weight file with the digest
-    listed (hashed here, not by the script), each config as eb9c7ae (the last commit with all twelve) holds it, a
+    listed (hashed here, not by the script), each config as the commit before its deletion holds it, a
     damaged copy written again, the clone's status as before. An attempt with none is refused in one line, exit 2,
     nothing written; eval.py refuses a published adapter not yet back in one line that names the script."""
     import glob
@@ -438,8 +438,11 @@ def test_the_published_adapters_come_back_from_history_with_their_sha256(tmp_pat
             for digest, weights in (line.split() for line in open(sums)):
                 assert hashlib.sha256((root / folder / weights).read_bytes()).hexdigest() == digest
                 config = os.path.join(folder, os.path.dirname(weights), "adapter_config.json")
-                held = subprocess.run(["git", "show", f"eb9c7ae:{config}"], cwd=repo, capture_output=True, check=True)
-                assert (root / config).read_bytes() == held.stdout
+                deleted = subprocess.run(["git", "log", "-1", "--diff-filter=D", "--format=%H", "--", config],
+                                         cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
+                held = subprocess.run(["git", "show", f"{deleted}^:{config}" if deleted else f"HEAD:{config}"],
+                                      cwd=clone, capture_output=True, check=True).stdout
+                assert (root / config).read_bytes() == held
                 listed += 1
         assert listed == 12                   # attempts 3, 4 and 5: 3 + 3 + 6
     assert status() == before                 # the damaged tracked copy is whole again; the rest are ignored
