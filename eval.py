@@ -127,7 +127,7 @@ def parse_args(argv=None):
     for spec in args.agents.split(","):
         if spec not in ("base", "sft", "rl") and not spec.startswith("openai:") and \
                 not os.path.isfile(os.path.join(spec, "adapter_config.json")):
-            published = " (the published ones: bash scripts/adapters.sh puts them back)" if "docs/steps/" in spec else ""
+            published = " (published ones: bash scripts/adapters.sh puts them back)" if "docs/steps/" in spec else ""
             common.fail("--agents", f"{spec!r} is not base, sft, rl, openai:MODEL or an adapter dir{published}")
     return args
 

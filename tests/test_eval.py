@@ -447,7 +447,8 @@ def test_the_published_adapters_come_back_from_history_with_their_sha256(tmp_pat
         assert listed == 12                   # attempts 3, 4 and 5: 3 + 3 + 6
     assert status() == before                 # the damaged tracked copy is whole again; the rest are ignored
     env = {**os.environ, "OUT": str(tmp_path / "none")}
-    bad = subprocess.run(["bash", "scripts/adapters.sh", "attempt9"], cwd=clone, env=env, capture_output=True, text=True)
+    bad = subprocess.run(["bash", "scripts/adapters.sh", "attempt9"], cwd=clone, env=env, capture_output=True,
+                         text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not (tmp_path / "none").exists()
     with pytest.raises(SystemExit) as e:
         ev.parse_args(["--agents", str(tmp_path / "none" / "docs/steps/attempt5/adapters/narrow-s0-step-8")])
