@@ -17,7 +17,7 @@
 #   INIT=docs/steps/attempt4/adapters/narrow-sft bash scripts/runs.sh   (PYTHON=.venv/bin/python OUT=runs/arms5 K=8
 #   SEED=97 SEEDS="0 1 2")
 #   RUNS="narrow-s0 broad-s0" trains only those runs (a session's share), and evaluates nothing
-#   SMOKE=1 MODEL=DIR K=2 OUT=DIR: every command in its --smoke form on a model DIR (tests/test_steps.py)
+#   SMOKE=1 MODEL=DIR K=2 OUT=DIR: every command in its --smoke form on a model DIR (tests/test_steps.py, -m slow)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/arms5} K=${K:-8} SEED=${SEED:-97} SEEDS=${SEEDS:-"0 1 2"} EVAL_EVERY=${EVAL_EVERY:-4}

@@ -17,8 +17,7 @@
 #   the fifth attempt's runs (scripts/runs.sh): INIT=DIR starts the steps from that adapter instead of running the
 #   cold start (one cold start for every run), RUN_SEED=S passes --seed S to rl.py (a run's seed)
 #   SMOKE=1 bash scripts/steps.sh: every command in its --smoke form, K=2, OUT a temp dir; MODEL=DIR passes --model DIR
-#   to each (tests/test_steps.py, a tiny model: the whole script under -m slow; runs.sh's test, in the fast suite,
-#   runs its training part)
+#   to each (tests/test_steps.py, a tiny model, -m slow: the whole script, and its training part in runs.sh's test)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
 if [ -n "${SMOKE:-}" ]; then

@@ -111,6 +111,7 @@ def test_the_third_attempts_two_arms_evaluate_paired_and_the_report_prints_the_2
     assert "held-out personas: +0.000 [+0.000, +0.000]" in bar and "(>= +0.10, CI above 0): MISSED" in bar
 
 
+@pytest.mark.slow      # the fifth attempt's recipe (finished, frozen): runs.sh's runs, evaluations and report, ~36 s
 def test_the_fifth_attempts_runs_publish_evaluate_paired_and_the_report_prints_every_run_and_the_bar(tmp_path):
     """scripts/runs.sh in --smoke form on a tiny Qwen3, every run's K = 2 steps already there (one fresh adapter, so
     every agent is the same policy): each run's step K published as bf16, one evaluation under the held-out
