@@ -260,8 +260,10 @@ def grpo_update(model, optimizer, trajs, adv, args, *, setup, pad_id, seed, at_s
     summed."""
     minis = mini_batches(trajs, args, pad_id, seed, model.device, whole_rows=setup.checkpointing)
     fast, precision = args.logprob_pass == "fast", setup.precision()   # bf16 autocast, or nothing
-    with torch.no_grad(), precision:  # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it
-        logp_old = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
+    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it. The first mini-batch trains
+    # before any step, so its logp_old is its own forward's logp (None here: taken in the loop; its ratio is 1).
+    with torch.no_grad(), precision:
+        logp_old = [None] + [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis[1:]]
     logp_ref = logp_old            # pi_ref, the frozen start (passes.reference_policy): pi_old until RL's first step
     if not at_start:
         with torch.no_grad(), precision, passes.reference_policy(model):
@@ -273,7 +275,9 @@ def grpo_update(model, optimizer, trajs, adv, args, *, setup, pad_id, seed, at_s
         optimizer.zero_grad(set_to_none=True)
         with precision:
             for i, logp in micro_logprobs(model, mini, args.temperature, fast):   # each backward before the next
-                loss, counts = grpo_loss(logp, old[i], ref[i], adv[mini[i].rows], mini[i].mask, clip=args.clip,
+                now = logp.detach()                # pi_old's (and at the start pi_ref's) in the first mini-batch
+                loss, counts = grpo_loss(logp, now if old is None else old[i], now if ref is None else ref[i],
+                                         adv[mini[i].rows], mini[i].mask, clip=args.clip,
                                          beta=args.kl_coef, agg=args.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs)
                 loss.backward()
                 stats = {k: v + counts.get(k, 0) for k, v in stats.items()}

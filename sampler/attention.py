@@ -42,24 +42,26 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 class KVBuffer(DynamicLayer):
     """One layer's KV cache: `rows` rows, left-padded to `length`, with `room` free slots after it.
-    put(i, pieces) writes row i; keys/values (what attention reads) are views of the filled part.
+    put(i, pieces) writes row i, every row once; keys/values (what attention reads) are views of the filled part.
     storage: the (k, v) tensors to hold it, each (rows, kv_heads, length + room, head_dim), e.g. views of the static
-    decoder's buffer that every wave reuses (sampler/static.py); None: zeros of its own."""
+    decoder's buffer that every wave reuses (sampler/static.py); None: its own, uninitialised (put zeroes the padding,
+    and a free slot is written before it is read)."""
 
     def __init__(self, rows: int, like: torch.Tensor, length: int, room: int, storage: tuple | None = None):
         super().__init__()                               # like: any (1, kv_heads, m, head_dim) of the model
-        # zeros: padding is masked, but 0 * NaN would still be NaN
-        self.k, self.v = storage or [like.new_zeros(rows, like.shape[1], length + room, like.shape[3])
+        self.k, self.v = storage or [like.new_empty(rows, like.shape[1], length + room, like.shape[3])
                                      for _ in range(2)]  # (B, kv_heads, cap, hd)
         self.n, self.dtype, self.device, self.is_initialized = length, like.dtype, like.device, True
         self.keys, self.values = self.k[:, :, :length], self.v[:, :, :length]
 
     def put(self, i: int, pieces: list[tuple]):
-        """Row i's keys/values, consecutive pieces [(k, v), ...] each (1, kv_heads, m, head_dim), ending at `length`."""
+        """Row i's keys/values, consecutive pieces [(k, v), ...] each (1, kv_heads, m, head_dim), ending at `length`;
+        the padding before them zeroed (masked, but 0 * NaN would still be NaN)."""
         end = self.n
         for k, v in reversed(pieces):
             self.k[i, :, end - k.shape[2]:end], self.v[i, :, end - k.shape[2]:end] = k[0], v[0]
             end -= k.shape[2]
+        self.k[i, :, :end], self.v[i, :, :end] = 0, 0
         return self
 
     def update(self, keys, values, *args, **kwargs):
@@ -362,7 +364,8 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     """query (B, heads, q, hd): q new tokens a row (1 when decoding, a turn when prefilling); key/value
     (B, kv_heads, n, hd): each row's own part, ending with the new tokens; attention_mask (B, 1, q, n) bool
     (False: padding, or a later token) or None. shared_prefix: [(rows, layers)], one entry per prefix the
-    rows continue: rows a LongTensor of row indices (None: all rows), layers per layer (k, v), each
+    rows continue: rows a slice of the batch (None: all rows; a slice reads the rows' keys/values in place, where a
+    tensor of indices would copy them every layer and token), layers per layer (k, v), each
     (1, kv_heads, P, hd), seen by every new token of those rows (None: rows that share no prefix).
     -> (B, q, heads, hd), as transformers' SDPA wrapper returns."""
     if shared_prefix is None:                       # any other call (the prefix itself, training): plain SDPA

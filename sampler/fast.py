@@ -157,8 +157,9 @@ class ModelAgent:
         for idx, p in groups:                         # each group's shared prefix: prefilled once, remembered
             if p and any(self._cached(rows[i])[0] < p for i in idx):
                 self.memo.append((rows[idx[0]][:p], [[kv] for kv in self._prefill(rows[idx[0]][:p])[0]]))
-        outs, memo = [None] * len(rows), []
+        outs, memo = [None] * len(rows), {}
         for wave in self.waves:
+            wave = sorted(wave, key=lambda i: gid[i])   # a group's rows side by side: its decode rows are a slice
             part = lambda xs: [xs[i] for i in wave]   # noqa: E731
             cache, prefixes, logits = self._prefill_wave(part(rows), part(P), part(gid))
             if self.keeps_rows:                       # (one wave) every row's remembered keys/values are in `cache`
@@ -167,9 +168,9 @@ class ModelAgent:
                                       remember=self.keeps_rows)
             for i, out in zip(wave, done):
                 outs[i] = out
-            memo += kept
+            memo.update(zip(wave, kept))
         if self.keeps_rows:
-            self.memo = memo
+            self.memo = [memo[i] for i in sorted(memo)]   # in the rows' order: _cached takes the first of equals
         return outs
 
     def _static_layout(self, own: list[int], prefix: int, scratch: list[float], budget: int | None) -> Layout:
@@ -253,6 +254,10 @@ class ModelAgent:
         attn[:, L:] = 0                                                     # opened as tokens arrive
         live, group = torch.arange(B), torch.tensor(gid)                    # rows still decoding, their groups
         new, lps, memo = [[] for _ in rows], [[] for _ in rows], [None] * B
+
+        def rows_of(g):                       # a group's live rows: side by side (_act sorts a wave by group), so a
+            at = (group == g).nonzero()[:, 0]     # slice, which indexes their keys/values as a view, not a copy
+            return slice(int(at[0]), int(at[-1]) + 1)
         with attention_implementation(self.model, "shared_prefix"), weight_major_linear():
             for s in range(room):
                 tok, lp = sample_next(logits, T or 1.0, T == 0, uniforms[live, s].to(dev))   # (b,) each
@@ -275,7 +280,7 @@ class ModelAgent:
                     for layer in cache.layers:
                         layer.select(keep.to(dev))
                 attn[:, L + s] = 1
-                shared = [((group == g).nonzero()[:, 0].to(dev), prefixes[g]) for g in group.unique().tolist()]
+                shared = [(rows_of(g), prefixes[g]) for g in dict.fromkeys(group.tolist())]
                 logits = self.model(input_ids=tok[:, None], attention_mask=attn[:, :L + s + 1], past_key_values=cache,
                                     position_ids=torch.tensor([[n[i] + s] for i in live.tolist()], device=dev),
                                     shared_prefix=shared).logits[:, -1].float()
