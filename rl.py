@@ -5,7 +5,7 @@ binary rewards (sample_groups) -> advantages within each group whose rewards dif
 loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_update). Then held-out pass^1.
 
     python rl.py                        # from runs/sft/adapter; the CPU preset without a GPU, paper sizes with one
-    python rl.py --steps 3              # resume that run for two more steps (bash scripts/steps.sh: K steps, evaluated)
+    python rl.py --steps 3              # resume that run for two more steps
     python rl.py --sampler plain --logprob-pass plain     # the code to read: the same tokens, the update up to rounding
     python rl.py --init base --out runs/rl_base           # an ablation (README: each into its own --out)
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU

