@@ -2,8 +2,8 @@
 # The sixth attempt's runs and evaluations (docs/steps_preregistration.md, "The sixth attempt"), started or resumed in
 # the background where the last session's end killed them:
 #   bash docs/steps/attempt6/resume.sh          (from the repository root; ARMS=/work/arms6 holds everything)
-# - ARMS/clone: a clone of this repository at the fixed commit COMMIT (made if missing; its .venv is this one's);
-#   scripts/runs.sh runs there, each part skipped when its output exists.
+# - ARMS/clone: a clone of this repository at the fixed commit c114433, the pre-registration's (made if missing; its
+#   .venv is this one's); scripts/runs.sh runs there, each part skipped when its output exists.
 # - The pre-registration's rule: a run is never spliced across machines. ARMS/cpu-<run>.txt names the CPU a run
 #   began on (written here for every run not begun, since runs.sh goes from one run to the next by itself); a begun,
 #   unfinished run that finds another CPU has its steps moved to ARMS/lost/ and starts again from step 1. A finished
@@ -13,7 +13,7 @@
 #   docs/steps/attempt6/records.sh copies the records into the repository.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../../.." && pwd)
-ARMS=${ARMS:-/work/arms6} COMMIT=${COMMIT:?resume.sh: COMMIT (the pre-registered commit) is set below once it exists}
+ARMS=${ARMS:-/work/arms6} COMMIT=c114433
 OUT=$ARMS/clone/runs/arms6 LOG=$ARMS/runs.log SEEDS="20 21 22 23"
 flags=$(grep -o -w -E 'avx2|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | paste -sd ' ')
 cpu="$(lscpu | sed -n 's/^Model name: *//p') (model $(lscpu | sed -n 's/^Model: *//p'); $flags)"
