@@ -77,10 +77,18 @@ def asks_confirmation(text: str) -> bool:
     return bool(_ASKS_CONFIRM.search(text))
 
 
-def asked_for(key: str, text: str) -> bool:
-    """Does this (lowercase) agent text ask for fact `key`? It uses a word of FACT_KEYWORDS[key], the scripted
-    user's own test before it reveals that fact (eval.py counts the facts asked for with it)."""
-    return any(re.search(r"\b" + re.escape(w), text) for w in FACT_KEYWORDS[key])
+def mentions(key: str, text: str) -> bool:
+    """Does this agent text use a word for fact `key` (FACT_KEYWORDS[key])? A mention, asked or not: a scripted user
+    gives the facts a message mentions; only a request asks for them (asks_for)."""
+    return any(re.search(r"\b" + re.escape(w), text.lower()) for w in FACT_KEYWORDS[key])
+
+
+asked_for = mentions   # eval.py's old name (eval.py:374, facts_asked); goes once that line says users.mentions
+
+
+def mentioned_facts(task, text: str) -> list[str]:
+    """The facts of task this agent text mentions, in FACT_KEYWORDS' order."""
+    return [k for k in FACT_KEYWORDS if k in task.hidden_facts and mentions(k, text)]
 
 
 def names(text: str, term) -> bool:
@@ -93,12 +101,12 @@ _REQUESTS = re.compile(r"\?|\b(please|provide|give|tell|share|need|let me know|c
 
 
 def asks_for(task, text: str) -> list[str]:
-    """The facts of task an agent message (its visible text) asks for: those it uses a word for (asked_for), in a
-    message that asks something (a question mark, or please, give, tell, ...: "Done: order id #W1 cancelled." asks
-    for nothing). A request to confirm a change asks for none: a user answers that request, nothing more."""
+    """The facts of task an agent message (its visible text) asks for: those it mentions, in a message that asks
+    something (a question mark, or please, give, tell, ...: "Done: order id #W1 cancelled." asks for nothing). A
+    request to confirm a change asks for none: a user answers that request, nothing more."""
     if asks_confirmation(text) or not _REQUESTS.search(text):
         return []
-    return [k for k in FACT_KEYWORDS if k in task.hidden_facts and asked_for(k, text.lower())]
+    return mentioned_facts(task, text)
 
 
 def given(task, messages: list[dict]) -> set[str]:
@@ -106,7 +114,7 @@ def given(task, messages: list[dict]) -> set[str]:
     characters or fewer, "yes", counts only beside a word for its fact: "Yes." to a confirmation gives no insurance)."""
     said = [m["content"] for m in messages if m["role"] == "user"]
     return {k for k, v in task.hidden_facts.items()
-            if any(names(s, v) and (len(str(v)) > 3 or asked_for(k, s.lower())) for s in said)}
+            if any(names(s, v) and (len(str(v)) > 3 or mentions(k, s)) for s in said)}
 
 
 def repeated_questions(task, messages: list[dict]) -> list[int] | None:
@@ -415,7 +423,7 @@ class ScriptedUser(User):
         nothing: a nudge)."""
         self.replies += 1
         last = said[-1] if said else ""
-        asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
+        asked = mentioned_facts(self.task, last)
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
         if again:                                       # it remembers: says so, and gives them again, twice
