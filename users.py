@@ -308,6 +308,12 @@ def heldout_population() -> list[Behaviour]:
 POPULATIONS = {"population": population, "heldout-population": heldout_population}
 
 
+def one_up(value: str) -> str:
+    """value with its last digit one up (9 -> 0): a mistyped fact, never the right one."""
+    i = max(i for i, c in enumerate(value) if c.isdigit())
+    return value[:i] + str((int(value[i]) + 1) % 10) + value[i + 1:]
+
+
 class ScriptedUser(User):
     """Deterministic (given seed) rule-based user, the CPU default, its conduct set by a Behaviour. It opens with
     task.opening (or, opens "request", REQUESTS' opening without ids); it reveals hidden_facts[key] only when the
@@ -330,7 +336,6 @@ class ScriptedUser(User):
         self.opening = REQUESTS.get(task.scenario, task.opening) if behaviour.opens == "request" else task.opening
         self.given = set()            # gives one_first / one_random / one_last: the facts it has given
         self.told_all = False         # gives all_at_first: it has given everything once
-        self.by_name = []             # gives by_name: the facts the agent's last message named by their own name
         self.asked_back = False       # confirms asks_back: it has asked its question back
         self.mistyped, self.correction = False, ""   # mistakes one_digit: done, and the correction still owed
         self.repeats = 0              # patience remembers: the questions for a fact it had given
@@ -347,33 +352,43 @@ class ScriptedUser(User):
     def _aside(self, said: str) -> str:
         return f"{said} {self.rng.choice(self.words.asides)}" if self.words.asides else said
 
-    def _fact(self, key: str) -> str:
-        """A fact in its words; mistakes one_digit: the first with a digit has its last digit one up (so never the
-        right value), and the correction is owed to the next message."""
-        value, name = str(self.task.hidden_facts[key]), key.replace("_", " ")
-        digits = [i for i, c in enumerate(value) if c.isdigit()]
-        if self.behaviour.mistakes == "one_digit" and not self.mistyped and digits:
-            i, right = digits[-1], value
-            value = value[:i] + str((int(value[i]) + 1) % 10) + value[i + 1:]
-            self.mistyped, self.correction = True, f"Sorry, I mistyped my {name}: it is {right}, not {value}."
-        return self.words.fact.format(key=name, value=value)
+    def _mistype(self, keys: list[str]) -> int | None:
+        """mistakes one_digit: of the facts it is about to give, the one it gets wrong, once in a conversation (the
+        first with a digit), recording the correction it owes its next message. -> its place in keys, or None."""
+        if self.behaviour.mistakes != "one_digit" or self.mistyped:
+            return None
+        at = next((i for i, k in enumerate(keys) if any(c.isdigit() for c in str(self.task.hidden_facts[k]))), None)
+        if at is not None:
+            right = str(self.task.hidden_facts[keys[at]])
+            self.mistyped = True
+            self.correction = f"Sorry, I mistyped my {keys[at].replace('_', ' ')}: it is {right}, not {one_up(right)}."
+        return at
 
-    def _answer(self, asked: list[str]) -> list[str]:
-        """The facts it reveals when asked for these (asked: FACT_KEYWORDS' order), as its gives value says."""
+    def _say(self, keys: list[str], typo: int | None = None) -> list[str]:
+        """These facts in its words; typo: the place of the one it says with a digit wrong (_mistype)."""
+        said = []
+        for i, key in enumerate(keys):
+            value = str(self.task.hidden_facts[key])
+            said.append(self.words.fact.format(key=key.replace("_", " "), value=one_up(value) if i == typo else value))
+        return said
+
+    def _answer(self, asked: list[str], last: str) -> list[str]:
+        """The facts it gives when the agent's last message mentions these (FACT_KEYWORDS' order), as its gives value
+        says; it records what it gave where its next answer depends on it."""
         gives = self.behaviour.gives
         if gives == "all_at_first" and asked and not self.told_all:
             self.told_all = True
-            return [self._fact(k) for k in self.task.hidden_facts]
+            return list(self.task.hidden_facts)
         if gives in ("one_first", "one_random", "one_last"):
             if not asked:
                 return []
             fresh = [k for k in asked if k not in self.given] or asked    # asked only for given ones: that one again
             key = fresh[0] if gives == "one_first" else fresh[-1] if gives == "one_last" else self.rng.choice(fresh)
             self.given.add(key)
-            return [self._fact(key)]
-        if gives == "by_name":
-            return [self._fact(k) for k in asked if k in self.by_name]
-        return [self._fact(k) for k in asked]
+            return [key]
+        if gives == "by_name":                          # "order id", not "which order"
+            return [k for k in asked if re.search(r"\b" + k.replace("_", " "), last.lower())]
+        return asked
 
     def _confirm(self, text: str) -> list[str]:
         """Answer a confirmation request: yes to the first unconfirmed write whose values it all names, else no
@@ -391,10 +406,11 @@ class ScriptedUser(User):
             return no
         closest = max(pending, key=lambda i: len(named[i]))
         wrong = [k for k in self.task.confirm_terms[closest] if k not in named[closest]]
-        fixes = [self._fact(k) for k in wrong if k in self.task.hidden_facts]
+        fixes = [k for k in wrong if k in self.task.hidden_facts]
+        said = no + self._say(fixes, self._mistype(fixes))
         if len(fixes) < len(wrong):                     # a value it holds no fact for: its request again
-            fixes.append(self.opening)
-        return no + fixes
+            said.append(self.opening)
+        return said
 
     def reply(self, messages: list[dict]) -> str:
         said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
@@ -404,8 +420,6 @@ class ScriptedUser(User):
             told = given(self.task, messages)            # once, not once a fact asked for
             again = [k for k in asks_for(self.task, last) if k in told]
         owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
-        if self.behaviour.gives == "by_name":
-            self.by_name = [k for k in self.task.hidden_facts if re.search(r"\b" + k.replace("_", " "), last.lower())]
         if (self.behaviour.confirms == "asks_back" and not self.asked_back and asks_confirmation(last)
                 and not all(self.confirmed)):
             self.asked_back, self.replies = True, self.replies + 1
@@ -430,8 +444,8 @@ class ScriptedUser(User):
             self.repeats += 1
             if self.repeats >= REPEATS_TO_LEAVE:
                 return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"
-            facts = [self._fact(k) for k in again] + self._answer([k for k in asked if k not in again])
-            return " ".join([self.rng.choice(TOLD), *facts])
+            keys = again + self._answer([k for k in asked if k not in again], last)
+            return " ".join([self.rng.choice(TOLD), *self._say(keys, self._mistype(keys))])
         if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
             if REPORTS_DONE.search(last) and not asks_confirmation(last):
                 return f"{self.rng.choice(self.words.thanks)} {STOP}"
@@ -442,9 +456,9 @@ class ScriptedUser(User):
                 return f"{self.rng.choice(self.words.thanks)} {STOP}"
         if asks_confirmation(last) and self.task.confirm_terms:   # answers the request, nothing more
             return " ".join(self._confirm(last))
-        facts = self._answer(asked)
-        if facts:
-            return " ".join(facts)
+        keys = self._answer(asked, last)
+        if keys:
+            return " ".join(self._say(keys, self._mistype(keys)))
         nudge = [self.rng.choice(self.words.nudge)]
         if self.rng.random() < 0.5:                     # half the time it repeats its request
             nudge.append(self.opening)
