@@ -317,7 +317,7 @@ def one_up(value: str) -> str:
 class ScriptedUser(User):
     """Deterministic (given seed) rule-based user, the CPU default, its conduct set by a Behaviour. It opens with
     task.opening (or, opens "request", REQUESTS' opening without ids); it reveals hidden_facts[key] only when the
-    agent's last message uses a word of FACT_KEYWORDS[key] (how many at once, and which: gives). Asked to confirm a
+    agent's last message mentions it, asked or not (how many at once, and which: gives). Asked to confirm a
     change, it says yes only if the message names every value that makes the next write right (task.confirm_terms:
     the ids, and the reason, bag count, flight, item, option or payment method that apply) and none of the values
     that would make it wrong (task.rivals: a second reason, another card); otherwise it says no and corrects the
@@ -349,8 +349,120 @@ class ScriptedUser(User):
         said = self.opening if re.match(r"(hi|hello|hey)\b", self.opening, re.I) else greet + self.opening
         return self._aside(said)
 
-    def _aside(self, said: str) -> str:
-        return f"{said} {self.rng.choice(self.words.asides)}" if self.words.asides else said
+    def reply(self, messages: list[dict]) -> str:
+        owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
+        text = self._decide(messages)
+        if STOP in text:
+            return text
+        return self._aside(f"{text} {owed}" if owed else text)
+
+    def _decide(self, messages: list[dict]) -> str:
+        """The reply's substance: the first rule below that applies. mentioned: the facts the agent's last message
+        has a word for (it gives those, asked or not); again: those it asks for that this user had given."""
+        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
+        last = said[-1] if said else ""
+        mentioned = mentioned_facts(self.task, last)
+        again = self._asked_again_for(messages, last)
+        self.replies += 1
+        if self._asks_back(last):
+            self.asked_back = True
+            return self.rng.choice(self.words.back)
+        if self.replies > self.patience:
+            return f"This is taking too long, I'll try again later. {STOP}"
+        if again:
+            return self._told_you(again, mentioned, last)
+        if self._approved_all() and REPORTS_DONE.search(last) and not asks_confirmation(last):
+            return self._thanks()
+        if self._approved_all():                        # not reported done yet: it urges the agent on
+            return self.rng.choice(self.words.wait)
+        if self._lookup_over(said, mentioned):
+            return self._thanks()
+        if self._asked_to_confirm(last):                # it answers the request, nothing more
+            return self._confirm(last)
+        if keys := self._answer(mentioned, last):
+            return " ".join(self._say(keys, self._mistype(keys)))
+        return self._nudge()
+
+    # ---- the rules' tests, in the order _decide asks them
+
+    def _asked_again_for(self, messages: list[dict], last: str) -> list[str]:
+        """patience remembers: the facts the last message asks for that it had already given (else none)."""
+        if self.behaviour.patience != "remembers":
+            return []
+        told = given(self.task, messages)
+        return [k for k in asks_for(self.task, last) if k in told]
+
+    def _asks_back(self, last: str) -> bool:
+        """confirms asks_back: its first request to confirm gets a question back; asked again, it decides."""
+        return self.behaviour.confirms == "asks_back" and not self.asked_back and self._asked_to_confirm(last)
+
+    def _approved_all(self) -> bool:
+        """It has said yes to every write of its task (a task with writes)."""
+        return bool(self.confirmed) and all(self.confirmed)
+
+    def _lookup_over(self, said: list[str], mentioned: list[str]) -> bool:
+        """A task without writes is over once the agent has said every required output or refused, unless its last
+        message mentions a fact."""
+        if self.task.confirm_terms or mentioned:
+            return False
+        outs = self.task.required_outputs
+        all_said = bool(outs) and all(any(o in x for x in said) for o in outs)
+        return all_said or bool(REFUSES.search(said[-1] if said else ""))
+
+    def _asked_to_confirm(self, last: str) -> bool:
+        """The last message asks it to approve a write it has not approved yet."""
+        return asks_confirmation(last) and not all(self.confirmed)
+
+    # ---- the rules' actions
+
+    def _told_you(self, again: list[str], mentioned: list[str], last: str) -> str:
+        """patience remembers: it says it told them already and gives them again, with the other facts mentioned; the
+        REPEATS_TO_LEAVE-th time, it leaves."""
+        self.repeats += 1
+        if self.repeats >= REPEATS_TO_LEAVE:
+            return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"
+        keys = again + self._answer([k for k in mentioned if k not in again], last)
+        return " ".join([self.rng.choice(TOLD), *self._say(keys, self._mistype(keys))])
+
+    def _confirm(self, text: str) -> str:
+        """Answer a confirmation request: yes to the first unconfirmed write whose values it all names, else no
+        and the right values of the write it got closest to (confirms "bare_no": the no alone)."""
+        pending = [i for i, ok in enumerate(self.confirmed) if not ok]
+        rivals = self.task.rivals                       # a value named beside a rival of its kind is not named
+        named = {i: [k for k, term in self.task.confirm_terms[i].items()
+                     if names(text, term) and not names(text, rivals.get(k, []))] for i in pending}
+        done = next((i for i in pending if len(named[i]) == len(self.task.confirm_terms[i])), None)
+        if done is not None:
+            self.confirmed[done] = True
+            return self.rng.choice(self.words.yes)
+        no = self.rng.choice(self.words.no)
+        if self.behaviour.confirms == "bare_no":
+            return no
+        closest = max(pending, key=lambda i: len(named[i]))
+        wrong = [k for k in self.task.confirm_terms[closest] if k not in named[closest]]
+        fixes = [k for k in wrong if k in self.task.hidden_facts]
+        said = [no, *self._say(fixes, self._mistype(fixes))]
+        if len(fixes) < len(wrong):                     # a value it holds no fact for: its request again
+            said.append(self.opening)
+        return " ".join(said)
+
+    def _answer(self, mentioned: list[str], last: str) -> list[str]:
+        """The facts it gives for these mentioned (FACT_KEYWORDS' order), as its gives value says; it records what
+        it gave where its next answer depends on it."""
+        gives = self.behaviour.gives
+        if gives == "all_at_first" and mentioned and not self.told_all:
+            self.told_all = True
+            return list(self.task.hidden_facts)
+        if gives in ("one_first", "one_random", "one_last"):
+            if not mentioned:
+                return []
+            fresh = [k for k in mentioned if k not in self.given] or mentioned   # only given ones: that one again
+            key = fresh[0] if gives == "one_first" else fresh[-1] if gives == "one_last" else self.rng.choice(fresh)
+            self.given.add(key)
+            return [key]
+        if gives == "by_name":                          # "order id", not "which order"
+            return [k for k in mentioned if re.search(r"\b" + k.replace("_", " "), last.lower())]
+        return mentioned
 
     def _mistype(self, keys: list[str]) -> int | None:
         """mistakes one_digit: of the facts it is about to give, the one it gets wrong, once in a conversation (the
@@ -364,6 +476,8 @@ class ScriptedUser(User):
             self.correction = f"Sorry, I mistyped my {keys[at].replace('_', ' ')}: it is {right}, not {one_up(right)}."
         return at
 
+    # ---- its words
+
     def _say(self, keys: list[str], typo: int | None = None) -> list[str]:
         """These facts in its words; typo: the place of the one it says with a digit wrong (_mistype)."""
         said = []
@@ -372,97 +486,16 @@ class ScriptedUser(User):
             said.append(self.words.fact.format(key=key.replace("_", " "), value=one_up(value) if i == typo else value))
         return said
 
-    def _answer(self, asked: list[str], last: str) -> list[str]:
-        """The facts it gives when the agent's last message mentions these (FACT_KEYWORDS' order), as its gives value
-        says; it records what it gave where its next answer depends on it."""
-        gives = self.behaviour.gives
-        if gives == "all_at_first" and asked and not self.told_all:
-            self.told_all = True
-            return list(self.task.hidden_facts)
-        if gives in ("one_first", "one_random", "one_last"):
-            if not asked:
-                return []
-            fresh = [k for k in asked if k not in self.given] or asked    # asked only for given ones: that one again
-            key = fresh[0] if gives == "one_first" else fresh[-1] if gives == "one_last" else self.rng.choice(fresh)
-            self.given.add(key)
-            return [key]
-        if gives == "by_name":                          # "order id", not "which order"
-            return [k for k in asked if re.search(r"\b" + k.replace("_", " "), last.lower())]
-        return asked
+    def _thanks(self) -> str:
+        return f"{self.rng.choice(self.words.thanks)} {STOP}"
 
-    def _confirm(self, text: str) -> list[str]:
-        """Answer a confirmation request: yes to the first unconfirmed write whose values it all names, else no
-        and the right values of the write it got closest to (confirms "bare_no": the no alone)."""
-        pending = [i for i, ok in enumerate(self.confirmed) if not ok]
-        rivals = self.task.rivals                       # a value named beside a rival of its kind is not named
-        named = {i: [k for k, term in self.task.confirm_terms[i].items()
-                     if names(text, term) and not names(text, rivals.get(k, []))] for i in pending}
-        done = next((i for i in pending if len(named[i]) == len(self.task.confirm_terms[i])), None)
-        if done is not None:
-            self.confirmed[done] = True
-            return [self.rng.choice(self.words.yes)]
-        no = [self.rng.choice(self.words.no)]
-        if self.behaviour.confirms == "bare_no":
-            return no
-        closest = max(pending, key=lambda i: len(named[i]))
-        wrong = [k for k in self.task.confirm_terms[closest] if k not in named[closest]]
-        fixes = [k for k in wrong if k in self.task.hidden_facts]
-        said = no + self._say(fixes, self._mistype(fixes))
-        if len(fixes) < len(wrong):                     # a value it holds no fact for: its request again
-            said.append(self.opening)
-        return said
+    def _nudge(self) -> str:
+        """Asked nothing it can answer: a nudge, half the time with its request again."""
+        nudge = self.rng.choice(self.words.nudge)
+        return f"{nudge} {self.opening}" if self.rng.random() < 0.5 else nudge
 
-    def reply(self, messages: list[dict]) -> str:
-        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
-        last = said[-1] if said else ""
-        again = []                                       # what it was asked again: only a user that remembers minds
-        if self.behaviour.patience == "remembers":
-            told = given(self.task, messages)            # once, not once a fact asked for
-            again = [k for k in asks_for(self.task, last) if k in told]
-        owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
-        if (self.behaviour.confirms == "asks_back" and not self.asked_back and asks_confirmation(last)
-                and not all(self.confirmed)):
-            self.asked_back, self.replies = True, self.replies + 1
-            text = self.rng.choice(self.words.back)
-        else:
-            text = self._decide(said, again)
-        if STOP in text:
-            return text
-        return self._aside(f"{text} {owed}" if owed else text)
-
-    def _decide(self, said: list[str], again: list[str]) -> str:
-        """The reply's substance, given what the agent has said (again: the facts its last message asks for that
-        this user had given, when its patience remembers; else none): give up, leave or repeat itself, thank and
-        stop, wait for the report, answer a confirmation request (only that), or give the facts asked for (asked
-        nothing: a nudge)."""
-        self.replies += 1
-        last = said[-1] if said else ""
-        asked = mentioned_facts(self.task, last)
-        if self.replies > self.patience:
-            return f"This is taking too long, I'll try again later. {STOP}"
-        if again:                                       # it remembers: says so, and gives them again, twice
-            self.repeats += 1
-            if self.repeats >= REPEATS_TO_LEAVE:
-                return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"
-            keys = again + self._answer([k for k in asked if k not in again], last)
-            return " ".join([self.rng.choice(TOLD), *self._say(keys, self._mistype(keys))])
-        if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
-            if REPORTS_DONE.search(last) and not asks_confirmation(last):
-                return f"{self.rng.choice(self.words.thanks)} {STOP}"
-            return self.rng.choice(self.words.wait)
-        if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
-            outs = self.task.required_outputs
-            if outs and all(any(o in x for x in said) for o in outs) or REFUSES.search(last):
-                return f"{self.rng.choice(self.words.thanks)} {STOP}"
-        if asks_confirmation(last) and self.task.confirm_terms:   # answers the request, nothing more
-            return " ".join(self._confirm(last))
-        keys = self._answer(asked, last)
-        if keys:
-            return " ".join(self._say(keys, self._mistype(keys)))
-        nudge = [self.rng.choice(self.words.nudge)]
-        if self.rng.random() < 0.5:                     # half the time it repeats its request
-            nudge.append(self.opening)
-        return " ".join(nudge)
+    def _aside(self, said: str) -> str:
+        return f"{said} {self.rng.choice(self.words.asides)}" if self.words.asides else said
 
 
 def persona_table() -> str:
