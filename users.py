@@ -525,12 +525,6 @@ def personas_of(arg: str) -> list[str]:
     return [n for n in (arg or "default").split("+")]
 
 
-def persona(arg: str, seed: int) -> str:
-    """The persona of one conversation with a scripted spec's ARG: its one name, or one drawn by seed from a mix."""
-    names = personas_of(arg)
-    return names[0] if len(names) == 1 else random.Random(f"persona|{seed}").choice(names)
-
-
 def parse_row(arg: str) -> Behaviour | str:
     """A row written out, "axis=value/axis=value" (the axes not named: default's) -> the Behaviour, or what is wrong
     with it in one line."""
@@ -546,14 +540,16 @@ def parse_row(arg: str) -> Behaviour | str:
 
 
 def scripted_user(task, seed: int, arg: str, *, env=None) -> ScriptedUser:
-    """The scripted user of one conversation: a named persona (ARG names one, or a mix one is drawn from by seed),
-    a row written out (ARG "axis=value/..."), or a row drawn by seed from a population (POPULATIONS)."""
+    """USER_KINDS' scripted: the scripted user of one conversation. ARG is a population (a row drawn by seed), a row
+    written out ("axis=value/..."), or persona names (one, or a mix one is drawn from by seed)."""
     if arg in POPULATIONS:
-        return ScriptedUser(task, seed, random.Random(f"{arg}|{seed}").choice(POPULATIONS[arg]()), arg)
+        row = random.Random(f"{arg}|{seed}").choice(POPULATIONS[arg]())
+        return ScriptedUser(task, seed, row, label=arg)
     if "=" in arg:
-        return ScriptedUser(task, seed, parse_row(arg), arg)
-    name = persona(arg, seed)
-    return ScriptedUser(task, seed, PERSONAS[name], name)
+        return ScriptedUser(task, seed, parse_row(arg), label=arg)
+    personas = personas_of(arg)
+    name = personas[0] if len(personas) == 1 else random.Random(f"persona|{seed}").choice(personas)
+    return ScriptedUser(task, seed, PERSONAS[name], label=name)
 
 
 def check_scripted(arg: str, training: bool) -> str | None:
