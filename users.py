@@ -369,7 +369,7 @@ class ScriptedUser(User):
             return self.rng.choice(self.words.back)
         if self.replies > self.patience:
             return f"This is taking too long, I'll try again later. {STOP}"
-        if again:
+        if again:                                       # asked for a fact it gave (patience remembers)
             return self._told_you(again, mentioned, last)
         if self._approved_all() and REPORTS_DONE.search(last) and not asks_confirmation(last):
             return self._thanks()
