@@ -296,8 +296,11 @@ def user_factory(args, model=None, tokenizer=None, spec=None):
     import envs
     spec = spec or args.user
     check = {"check_retries": args.user_retries_on_check if args.user_check == "on" else None}
-    settings = {"base_url": args.user_base_url, "timeout": args.user_timeout, **check} if spec.startswith("openai:") \
-        else {"model": model, "tokenizer": tokenizer, **check} if spec == "local" else {}
+    settings = {}
+    if spec.startswith("openai:"):
+        settings = {"base_url": args.user_base_url, "timeout": args.user_timeout, **check}
+    elif spec == "local":
+        settings = {"model": model, "tokenizer": tokenizer, **check}
     return envs.UserFactory(spec, settings)
 
 

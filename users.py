@@ -77,10 +77,18 @@ def asks_confirmation(text: str) -> bool:
     return bool(_ASKS_CONFIRM.search(text))
 
 
-def asked_for(key: str, text: str) -> bool:
-    """Does this (lowercase) agent text ask for fact `key`? It uses a word of FACT_KEYWORDS[key], the scripted
-    user's own test before it reveals that fact (eval.py counts the facts asked for with it)."""
-    return any(re.search(r"\b" + re.escape(w), text) for w in FACT_KEYWORDS[key])
+def mentions(key: str, text: str) -> bool:
+    """Does this agent text use a word for fact `key` (FACT_KEYWORDS[key])? A mention, asked or not: a scripted user
+    gives the facts a message mentions; only a request asks for them (asks_for)."""
+    return any(re.search(r"\b" + re.escape(w), text.lower()) for w in FACT_KEYWORDS[key])
+
+
+asked_for = mentions   # eval.py's old name (eval.py:374, facts_asked); goes once that line says users.mentions
+
+
+def mentioned_facts(task, text: str) -> list[str]:
+    """The facts of task this agent text mentions, in FACT_KEYWORDS' order."""
+    return [k for k in FACT_KEYWORDS if k in task.hidden_facts and mentions(k, text)]
 
 
 def names(text: str, term) -> bool:
@@ -93,12 +101,12 @@ _REQUESTS = re.compile(r"\?|\b(please|provide|give|tell|share|need|let me know|c
 
 
 def asks_for(task, text: str) -> list[str]:
-    """The facts of task an agent message (its visible text) asks for: those it uses a word for (asked_for), in a
-    message that asks something (a question mark, or please, give, tell, ...: "Done: order id #W1 cancelled." asks
-    for nothing). A request to confirm a change asks for none: a user answers that request, nothing more."""
+    """The facts of task an agent message (its visible text) asks for: those it mentions, in a message that asks
+    something (a question mark, or please, give, tell, ...: "Done: order id #W1 cancelled." asks for nothing). A
+    request to confirm a change asks for none: a user answers that request, nothing more."""
     if asks_confirmation(text) or not _REQUESTS.search(text):
         return []
-    return [k for k in FACT_KEYWORDS if k in task.hidden_facts and asked_for(k, text.lower())]
+    return mentioned_facts(task, text)
 
 
 def given(task, messages: list[dict]) -> set[str]:
@@ -106,7 +114,7 @@ def given(task, messages: list[dict]) -> set[str]:
     characters or fewer, "yes", counts only beside a word for its fact: "Yes." to a confirmation gives no insurance)."""
     said = [m["content"] for m in messages if m["role"] == "user"]
     return {k for k, v in task.hidden_facts.items()
-            if any(names(s, v) and (len(str(v)) > 3 or asked_for(k, s.lower())) for s in said)}
+            if any(names(s, v) and (len(str(v)) > 3 or mentions(k, s)) for s in said)}
 
 
 def repeated_questions(task, messages: list[dict]) -> list[int] | None:
@@ -300,10 +308,16 @@ def heldout_population() -> list[Behaviour]:
 POPULATIONS = {"population": population, "heldout-population": heldout_population}
 
 
+def one_up(value: str) -> str:
+    """value with its last digit one up (9 -> 0): a mistyped fact, never the right one."""
+    i = max(i for i, c in enumerate(value) if c.isdigit())
+    return value[:i] + str((int(value[i]) + 1) % 10) + value[i + 1:]
+
+
 class ScriptedUser(User):
     """Deterministic (given seed) rule-based user, the CPU default, its conduct set by a Behaviour. It opens with
     task.opening (or, opens "request", REQUESTS' opening without ids); it reveals hidden_facts[key] only when the
-    agent's last message uses a word of FACT_KEYWORDS[key] (how many at once, and which: gives). Asked to confirm a
+    agent's last message mentions it, asked or not (how many at once, and which: gives). Asked to confirm a
     change, it says yes only if the message names every value that makes the next write right (task.confirm_terms:
     the ids, and the reason, bag count, flight, item, option or payment method that apply) and none of the values
     that would make it wrong (task.rivals: a second reason, another card); otherwise it says no and corrects the
@@ -322,7 +336,6 @@ class ScriptedUser(User):
         self.opening = REQUESTS.get(task.scenario, task.opening) if behaviour.opens == "request" else task.opening
         self.given = set()            # gives one_first / one_random / one_last: the facts it has given
         self.told_all = False         # gives all_at_first: it has given everything once
-        self.by_name = []             # gives by_name: the facts the agent's last message named by their own name
         self.asked_back = False       # confirms asks_back: it has asked its question back
         self.mistyped, self.correction = False, ""   # mistakes one_digit: done, and the correction still owed
         self.repeats = 0              # patience remembers: the questions for a fact it had given
@@ -336,38 +349,82 @@ class ScriptedUser(User):
         said = self.opening if re.match(r"(hi|hello|hey)\b", self.opening, re.I) else greet + self.opening
         return self._aside(said)
 
-    def _aside(self, said: str) -> str:
-        return f"{said} {self.rng.choice(self.words.asides)}" if self.words.asides else said
+    def reply(self, messages: list[dict]) -> str:
+        owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
+        text = self._decide(messages)
+        if STOP in text:
+            return text
+        return self._aside(f"{text} {owed}" if owed else text)
 
-    def _fact(self, key: str) -> str:
-        """A fact in its words; mistakes one_digit: the first with a digit has its last digit one up (so never the
-        right value), and the correction is owed to the next message."""
-        value, name = str(self.task.hidden_facts[key]), key.replace("_", " ")
-        digits = [i for i, c in enumerate(value) if c.isdigit()]
-        if self.behaviour.mistakes == "one_digit" and not self.mistyped and digits:
-            i, right = digits[-1], value
-            value = value[:i] + str((int(value[i]) + 1) % 10) + value[i + 1:]
-            self.mistyped, self.correction = True, f"Sorry, I mistyped my {name}: it is {right}, not {value}."
-        return self.words.fact.format(key=name, value=value)
+    def _decide(self, messages: list[dict]) -> str:
+        """The reply's substance: the first rule below that applies. mentioned: the facts the agent's last message
+        has a word for (it gives those, asked or not); again: those it asks for that this user had given."""
+        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
+        last = said[-1] if said else ""
+        mentioned = mentioned_facts(self.task, last)
+        again = self._asked_again_for(messages, last)
+        self.replies += 1
+        if self._asks_back(last):
+            self.asked_back = True
+            return self.rng.choice(self.words.back)
+        if self.replies > self.patience:
+            return f"This is taking too long, I'll try again later. {STOP}"
+        if again:                                       # asked for a fact it gave (patience remembers)
+            return self._told_you(again, mentioned, last)
+        if self._approved_all() and REPORTS_DONE.search(last) and not asks_confirmation(last):
+            return self._thanks()
+        if self._approved_all():                        # not reported done yet: it urges the agent on
+            return self.rng.choice(self.words.wait)
+        if self._lookup_over(said, mentioned):
+            return self._thanks()
+        if self._asked_to_confirm(last):                # it answers the request, nothing more
+            return self._confirm(last)
+        if keys := self._answer(mentioned, last):
+            return " ".join(self._say(keys, self._mistype(keys)))
+        return self._nudge()
 
-    def _answer(self, asked: list[str]) -> list[str]:
-        """The facts it reveals when asked for these (asked: FACT_KEYWORDS' order), as its gives value says."""
-        gives = self.behaviour.gives
-        if gives == "all_at_first" and asked and not self.told_all:
-            self.told_all = True
-            return [self._fact(k) for k in self.task.hidden_facts]
-        if gives in ("one_first", "one_random", "one_last"):
-            if not asked:
-                return []
-            fresh = [k for k in asked if k not in self.given] or asked    # asked only for given ones: that one again
-            key = fresh[0] if gives == "one_first" else fresh[-1] if gives == "one_last" else self.rng.choice(fresh)
-            self.given.add(key)
-            return [self._fact(key)]
-        if gives == "by_name":
-            return [self._fact(k) for k in asked if k in self.by_name]
-        return [self._fact(k) for k in asked]
+    # ---- the rules' tests, in the order _decide asks them
 
-    def _confirm(self, text: str) -> list[str]:
+    def _asked_again_for(self, messages: list[dict], last: str) -> list[str]:
+        """patience remembers: the facts the last message asks for that it had already given (else none)."""
+        if self.behaviour.patience != "remembers":
+            return []
+        told = given(self.task, messages)
+        return [k for k in asks_for(self.task, last) if k in told]
+
+    def _asks_back(self, last: str) -> bool:
+        """confirms asks_back: its first request to confirm gets a question back; asked again, it decides."""
+        return self.behaviour.confirms == "asks_back" and not self.asked_back and self._asked_to_confirm(last)
+
+    def _approved_all(self) -> bool:
+        """It has said yes to every write of its task (a task with writes)."""
+        return bool(self.confirmed) and all(self.confirmed)
+
+    def _lookup_over(self, said: list[str], mentioned: list[str]) -> bool:
+        """A task without writes is over once the agent has said every required output or refused, unless its last
+        message mentions a fact."""
+        if self.task.confirm_terms or mentioned:
+            return False
+        outs = self.task.required_outputs
+        all_said = bool(outs) and all(any(o in x for x in said) for o in outs)
+        return all_said or bool(REFUSES.search(said[-1] if said else ""))
+
+    def _asked_to_confirm(self, last: str) -> bool:
+        """The last message asks it to approve a write it has not approved yet."""
+        return asks_confirmation(last) and not all(self.confirmed)
+
+    # ---- the rules' actions
+
+    def _told_you(self, again: list[str], mentioned: list[str], last: str) -> str:
+        """patience remembers: it says it told them already and gives them again, with the other facts mentioned; the
+        REPEATS_TO_LEAVE-th time, it leaves."""
+        self.repeats += 1
+        if self.repeats >= REPEATS_TO_LEAVE:
+            return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"
+        keys = again + self._answer([k for k in mentioned if k not in again], last)
+        return " ".join([self.rng.choice(TOLD), *self._say(keys, self._mistype(keys))])
+
+    def _confirm(self, text: str) -> str:
         """Answer a confirmation request: yes to the first unconfirmed write whose values it all names, else no
         and the right values of the write it got closest to (confirms "bare_no": the no alone)."""
         pending = [i for i, ok in enumerate(self.confirmed) if not ok]
@@ -377,70 +434,68 @@ class ScriptedUser(User):
         done = next((i for i in pending if len(named[i]) == len(self.task.confirm_terms[i])), None)
         if done is not None:
             self.confirmed[done] = True
-            return [self.rng.choice(self.words.yes)]
-        no = [self.rng.choice(self.words.no)]
+            return self.rng.choice(self.words.yes)
+        no = self.rng.choice(self.words.no)
         if self.behaviour.confirms == "bare_no":
             return no
         closest = max(pending, key=lambda i: len(named[i]))
         wrong = [k for k in self.task.confirm_terms[closest] if k not in named[closest]]
-        fixes = [self._fact(k) for k in wrong if k in self.task.hidden_facts]
+        fixes = [k for k in wrong if k in self.task.hidden_facts]
+        said = [no, *self._say(fixes, self._mistype(fixes))]
         if len(fixes) < len(wrong):                     # a value it holds no fact for: its request again
-            fixes.append(self.opening)
-        return no + fixes
+            said.append(self.opening)
+        return " ".join(said)
 
-    def reply(self, messages: list[dict]) -> str:
-        said = [visible_text(m["content"]) for m in messages if m["role"] == "assistant"]
-        last = said[-1] if said else ""
-        again = []                                       # what it was asked again: only a user that remembers minds
-        if self.behaviour.patience == "remembers":
-            told = given(self.task, messages)            # once, not once a fact asked for
-            again = [k for k in asks_for(self.task, last) if k in told]
-        owed, self.correction = self.correction, ""     # a mistyped fact given in the reply before this one
-        if self.behaviour.gives == "by_name":
-            self.by_name = [k for k in self.task.hidden_facts if re.search(r"\b" + k.replace("_", " "), last.lower())]
-        if (self.behaviour.confirms == "asks_back" and not self.asked_back and asks_confirmation(last)
-                and not all(self.confirmed)):
-            self.asked_back, self.replies = True, self.replies + 1
-            text = self.rng.choice(self.words.back)
-        else:
-            text = self._decide(said, again)
-        if STOP in text:
-            return text
-        return self._aside(f"{text} {owed}" if owed else text)
+    def _answer(self, mentioned: list[str], last: str) -> list[str]:
+        """The facts it gives for these mentioned (FACT_KEYWORDS' order), as its gives value says; it records what
+        it gave where its next answer depends on it."""
+        gives = self.behaviour.gives
+        if gives == "all_at_first" and mentioned and not self.told_all:
+            self.told_all = True
+            return list(self.task.hidden_facts)
+        if gives in ("one_first", "one_random", "one_last"):
+            if not mentioned:
+                return []
+            fresh = [k for k in mentioned if k not in self.given] or mentioned   # only given ones: that one again
+            key = fresh[0] if gives == "one_first" else fresh[-1] if gives == "one_last" else self.rng.choice(fresh)
+            self.given.add(key)
+            return [key]
+        if gives == "by_name":                          # "order id", not "which order"
+            return [k for k in mentioned if re.search(r"\b" + k.replace("_", " "), last.lower())]
+        return mentioned
 
-    def _decide(self, said: list[str], again: list[str]) -> str:
-        """The reply's substance, given what the agent has said (again: the facts its last message asks for that
-        this user had given, when its patience remembers; else none): give up, leave or repeat itself, thank and
-        stop, wait for the report, answer a confirmation request (only that), or give the facts asked for (asked
-        nothing: a nudge)."""
-        self.replies += 1
-        last = said[-1] if said else ""
-        asked = [k for k in FACT_KEYWORDS if k in self.task.hidden_facts and asked_for(k, last.lower())]
-        if self.replies > self.patience:
-            return f"This is taking too long, I'll try again later. {STOP}"
-        if again:                                       # it remembers: says so, and gives them again, twice
-            self.repeats += 1
-            if self.repeats >= REPEATS_TO_LEAVE:
-                return f"You keep asking me for things I already told you. I'll go elsewhere. {STOP}"
-            facts = [self._fact(k) for k in again] + self._answer([k for k in asked if k not in again])
-            return " ".join([self.rng.choice(TOLD), *facts])
-        if self.confirmed and all(self.confirmed):      # every write approved: wait for the report
-            if REPORTS_DONE.search(last) and not asks_confirmation(last):
-                return f"{self.rng.choice(self.words.thanks)} {STOP}"
-            return self.rng.choice(self.words.wait)
-        if not self.task.confirm_terms and not asked:    # lookup / refusal tasks
-            outs = self.task.required_outputs
-            if outs and all(any(o in x for x in said) for o in outs) or REFUSES.search(last):
-                return f"{self.rng.choice(self.words.thanks)} {STOP}"
-        if asks_confirmation(last) and self.task.confirm_terms:   # answers the request, nothing more
-            return " ".join(self._confirm(last))
-        facts = self._answer(asked)
-        if facts:
-            return " ".join(facts)
-        nudge = [self.rng.choice(self.words.nudge)]
-        if self.rng.random() < 0.5:                     # half the time it repeats its request
-            nudge.append(self.opening)
-        return " ".join(nudge)
+    def _mistype(self, keys: list[str]) -> int | None:
+        """mistakes one_digit: of the facts it is about to give, the one it gets wrong, once in a conversation (the
+        first with a digit), recording the correction it owes its next message. -> its place in keys, or None."""
+        if self.behaviour.mistakes != "one_digit" or self.mistyped:
+            return None
+        at = next((i for i, k in enumerate(keys) if any(c.isdigit() for c in str(self.task.hidden_facts[k]))), None)
+        if at is not None:
+            right = str(self.task.hidden_facts[keys[at]])
+            self.mistyped = True
+            self.correction = f"Sorry, I mistyped my {keys[at].replace('_', ' ')}: it is {right}, not {one_up(right)}."
+        return at
+
+    # ---- its words
+
+    def _say(self, keys: list[str], typo: int | None = None) -> list[str]:
+        """These facts in its words; typo: the place of the one it says with a digit wrong (_mistype)."""
+        said = []
+        for i, key in enumerate(keys):
+            value = str(self.task.hidden_facts[key])
+            said.append(self.words.fact.format(key=key.replace("_", " "), value=one_up(value) if i == typo else value))
+        return said
+
+    def _thanks(self) -> str:
+        return f"{self.rng.choice(self.words.thanks)} {STOP}"
+
+    def _nudge(self) -> str:
+        """Asked nothing it can answer: a nudge, half the time with its request again."""
+        nudge = self.rng.choice(self.words.nudge)
+        return f"{nudge} {self.opening}" if self.rng.random() < 0.5 else nudge
+
+    def _aside(self, said: str) -> str:
+        return f"{said} {self.rng.choice(self.words.asides)}" if self.words.asides else said
 
 
 def persona_table() -> str:
@@ -470,12 +525,6 @@ def personas_of(arg: str) -> list[str]:
     return [n for n in (arg or "default").split("+")]
 
 
-def persona(arg: str, seed: int) -> str:
-    """The persona of one conversation with a scripted spec's ARG: its one name, or one drawn by seed from a mix."""
-    names = personas_of(arg)
-    return names[0] if len(names) == 1 else random.Random(f"persona|{seed}").choice(names)
-
-
 def parse_row(arg: str) -> Behaviour | str:
     """A row written out, "axis=value/axis=value" (the axes not named: default's) -> the Behaviour, or what is wrong
     with it in one line."""
@@ -491,14 +540,16 @@ def parse_row(arg: str) -> Behaviour | str:
 
 
 def scripted_user(task, seed: int, arg: str, *, env=None) -> ScriptedUser:
-    """The scripted user of one conversation: a named persona (ARG names one, or a mix one is drawn from by seed),
-    a row written out (ARG "axis=value/..."), or a row drawn by seed from a population (POPULATIONS)."""
+    """USER_KINDS' scripted: the scripted user of one conversation. ARG is a population (a row drawn by seed), a row
+    written out ("axis=value/..."), or persona names (one, or a mix one is drawn from by seed)."""
     if arg in POPULATIONS:
-        return ScriptedUser(task, seed, random.Random(f"{arg}|{seed}").choice(POPULATIONS[arg]()), arg)
+        row = random.Random(f"{arg}|{seed}").choice(POPULATIONS[arg]())
+        return ScriptedUser(task, seed, row, label=arg)
     if "=" in arg:
-        return ScriptedUser(task, seed, parse_row(arg), arg)
-    name = persona(arg, seed)
-    return ScriptedUser(task, seed, PERSONAS[name], name)
+        return ScriptedUser(task, seed, parse_row(arg), label=arg)
+    personas = personas_of(arg)
+    name = personas[0] if len(personas) == 1 else random.Random(f"persona|{seed}").choice(personas)
+    return ScriptedUser(task, seed, PERSONAS[name], label=name)
 
 
 def check_scripted(arg: str, training: bool) -> str | None:

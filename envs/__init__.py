@@ -21,7 +21,7 @@ What the loop asks of a domain's world (module-level functions of the same names
 Adding a benchmark is one row below and one module in envs/benchmarks/ with those functions; envs/ours.py and
 users.py never import a benchmark module, and nothing imports this file from the world side (tests/test_layout.py).
 USER_KINDS holds the builders of our users (users.py's scripted and no user) as functions; the users an LLM plays and
-their check (envs/llm_users.py) are named there by string and imported only when used.
+their check (envs/llm_users.py) are named there by string and imported only when a UserFactory or check needs them.
 """
 import importlib
 from typing import Callable, NamedTuple
@@ -129,23 +129,26 @@ def check_user(spec: str, training: bool = False) -> str | None:
 
 
 class UserFactory:
-    """The simulated user of each conversation: one --user spec ("scripted:train", "openai:MODEL", ...), checked
-    here once (SystemExit with the line of check_user), and what building it takes (settings: an openai: user's
-    server, a local user's model and tokenizer, check_retries), fixed once by the stage. Called once per
-    conversation: (task, seed, env) -> users.User, built from USER_KINDS, or by a benchmark's own make_user."""
+    """The simulated user of each conversation for one --user spec ("scripted:train", "openai:MODEL", ...), and what
+    building it takes (settings: an openai: user's server, a local user's model and tokenizer, check_retries), fixed
+    once by the stage. Called once per conversation: (task, seed, env) -> users.User, from its kind's builder in
+    USER_KINDS, or a benchmark's own make_user. A bad spec stops here too, in check_user's one line."""
 
     def __init__(self, spec: str, settings: dict | None = None, *, training: bool = False):
         if error := check_user(spec, training):
             raise SystemExit(error)
-        self.spec, self.settings = spec, settings or {}
-        self.kind, self.arg = USER_KINDS[spec.partition(":")[0]], spec.partition(":")[2]
+        kind, _, self.arg = spec.partition(":")
+        self.spec = spec
+        self.settings = settings or {}
+        build = USER_KINDS[kind].build       # users.scripted_user, users.no_user, or an LLM user's (envs/llm_users.py)
+        self.build = by_name(build) if build else None
 
-    def __call__(self, task, seed: int, env=None):
-        if users := WORLDS[family(task.domain)].users:      # a benchmark plays its own users
-            return importlib.import_module(users).make_user(self.spec, task, seed, env, **self.settings)
-        if not self.kind.build:
+    def __call__(self, task, seed: int, env=None) -> users.User:
+        if benchmark := WORLDS[family(task.domain)].users:      # a benchmark plays its own users
+            return importlib.import_module(benchmark).make_user(self.spec, task, seed, env, **self.settings)
+        if not self.build:
             raise SystemExit(f"user {self.spec!r} plays only a benchmark's tasks; use {user_help()}")
-        return by_name(self.kind.build)(task, seed, self.arg, env=env, **self.settings)
+        return self.build(task, seed, self.arg, env=env, **self.settings)
 
 
 def make_user(spec: str, task, seed: int = 0, env=None, **settings):
