@@ -12,7 +12,7 @@ What it does
      over loss_mask tokens (the agent's text and tool calls with their end-of-turn; system, user and
      tool tokens count for nothing), through kernels/passes.py's sequence_logprobs as in rl.py. AdamW, linear
      warmup then cosine decay, gradient accumulation. A batch holds one domain, whose system prompt
-     goes through the model once per batch with an exact gradient (passes.shared_prefix_logprobs;
+     goes through the model once per batch with an exact gradient (passes.shared_prefix_pass;
      `python scripts/bench_update.py --sft` times it against the per-conversation pass). Checkpoints every
      --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
@@ -202,7 +202,7 @@ def make_data(args, tokenizer) -> list[dict]:
 def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
-    goes through the model once for the group (kernels/passes.py: cut_shared_prefix, shared_prefix_logprobs; exact).
+    goes through the model once for the group (kernels/passes.py: cut_shared_prefix, shared_prefix_pass; exact).
     A batch holds one domain (epoch_batches)."""
     micro = passes.micro_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
                                  args.micro_batch_size, pad, keys=[domain_of(r) for r in batch], max_len=args.max_len,
@@ -210,10 +210,11 @@ def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> floa
     if args.share_prefix == "on" and args.grad_checkpointing == "off":
         micro = passes.cut_shared_prefix(micro)
     total = 0.0
-    for _, logp in passes.shared_prefix_logprobs(model, micro):
-        loss = -logp.sum() / max(1, n_tok)
-        loss.backward()                       # before the next micro-batch: the prefix's gradient adds up
-        total += loss.item()
+    with passes.shared_prefix_pass(model) as logprobs:
+        for b in micro:
+            loss = -logprobs(b).sum() / max(1, n_tok)
+            loss.backward()                   # before the next micro-batch: the prefix's gradient adds up
+            total += loss.item()
     return total
 
 
