@@ -189,16 +189,16 @@ def grpo_step(model, optimizer, sampling: Sampling, pools, step, args, setup, *,
         # pi_old sampled the rollouts, and no step has moved it yet: a no-grad pass now gives its log-probs; the first
         # mini-batch's come from its own forward below, taken before any step (its ratio is exactly 1)
         with torch.no_grad(), precision:
-            olds = [None] + [logprobs_without_grad(model, mini, args) for mini in minis[1:]]
+            olds = [None] + [logprobs_without_grad(model, mini, args, setup.kernel) for mini in minis[1:]]
         stats = dict(kl_sum=0.0, clip_low=0, clip_high=0, tokens=0, grad_norm=0.0, updates=len(minis))
         for mini, old in zip(minis, olds):
             refs = None
             if moved:                             # pi_ref, the frozen start (passes.reference_policy)
                 with torch.no_grad(), precision, passes.reference_policy(model):
-                    refs = logprobs_without_grad(model, mini, args)
+                    refs = logprobs_without_grad(model, mini, args, setup.kernel)
             n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
             optimizer.zero_grad(set_to_none=True)
-            with precision, logprob_pass(model, args) as logprobs:
+            with precision, logprob_pass(model, args, setup.kernel) as logprobs:
                 for i, b in enumerate(mini):      # each micro-batch's backward before the next one's forward
                     logp = logprobs(b)                                         # pi, trained
                     logp_old = logp.detach() if old is None else old[i]        # pi_old, the sampler
@@ -324,20 +324,20 @@ def padded(trajs, rows, pad_id, device) -> passes.MicroBatch:
                              pad([trajs[r].loss_mask for r in rows], 0))
 
 
-def logprob_pass(model, args):
+def logprob_pass(model, args, kernel="torch"):
     """The seam of --logprob-pass: a block inside which logprobs(b) gives micro-batch b's log-probs, (b, T) fp32.
     plain: plain_logprobs, a forward of the whole rows (the code to read). fast, the default
     (passes.shared_prefix_pass): each domain's system prompt once, the lm_head in chunks, the same numbers up to
     rounding; the prefix's own backward runs when a domain's micro-batches end, so each micro-batch's backward must
-    come before the next one's forward."""
+    come before the next one's forward. kernel: the device's (common.setup_device)."""
     if args.logprob_pass == "plain":
         return contextlib.nullcontext(lambda b: plain_logprobs(model, b, args.temperature))
-    return passes.shared_prefix_pass(model, args.temperature)
+    return passes.shared_prefix_pass(model, args.temperature, impl=kernel)
 
 
-def logprobs_without_grad(model, mini, args) -> list:
+def logprobs_without_grad(model, mini, args, kernel) -> list:
     """A no-grad pass over a mini-batch: each micro-batch's log-probs (b, T), pi_old's or, as the reference, pi_ref's."""
-    with logprob_pass(model, args) as logprobs:
+    with logprob_pass(model, args, kernel) as logprobs:
         return [logprobs(b) for b in mini]
 
 

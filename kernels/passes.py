@@ -79,7 +79,7 @@ def reference_policy(model):
 # pass, and gives the per-token log-probs of the tokens that were sampled (masked_logprobs_chunked under the lm_head).
 
 def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, *, chunk=4096,
-                      past_key_values=None):
+                      past_key_values=None, impl="torch"):
     """out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where loss_mask[b, t] == 1, else 0. (B, T) fp32.
 
     model: a HF causal LM or a peft model wrapping one. LoRA is active unless called inside
@@ -90,6 +90,7 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
     past_key_values: a cache of P tokens that every row continues (see shared_prefix_pass);
     positions then start at P, and column 0 is still 0 (its context ends inside the cache).
+    impl: the log-prob kernel, decided by the caller's setup (common.logprob_kernel).
     """
     body, lm_head = model.get_decoder(), model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
@@ -111,7 +112,7 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     # the hidden state at t-1 predicts token t
     mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
     lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
-                                 mask.reshape(-1), temperature, chunk)
+                                 mask.reshape(-1), temperature, chunk, impl)
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
 
 
@@ -130,7 +131,7 @@ def cut_shared_prefix(micro: list) -> list:
 
 
 @contextlib.contextmanager
-def shared_prefix_pass(model, temperature=1.0, chunk=4096):
+def shared_prefix_pass(model, temperature=1.0, chunk=4096, impl="torch"):
     """The fast log-prob pass over micro-batches whose rows had their key's prefix cut off (cut_shared_prefix): inside
     the block, logprobs(b) gives micro-batch b's sequence_logprobs (b, T - P), each key's prefix through the model
     once, when its first micro-batch comes.
@@ -142,7 +143,8 @@ def shared_prefix_pass(model, temperature=1.0, chunk=4096):
     With grad on, a key's rows run against detached copies of its prefix's keys/values, whose gradients add up there;
     when its micro-batches end (the next key's first micro-batch, or the block's end) one backward takes them through
     the prefix: the gradient of one full pass per row, exact. Under no_grad, a forward of every row, the prefix once.
-    Needs activation checkpointing off when a prefix is cut (transformers drops the cache in checkpointed layers)."""
+    Needs activation checkpointing off when a prefix is cut (transformers drops the cache in checkpointed layers).
+    impl: the log-prob kernel (common.logprob_kernel)."""
     key, kv, leaves = object(), [], []              # the key under way, its prefix's keys/values and their copies
 
     def through_prefix():                           # the key's rows are done: their gradient through the prefix
@@ -161,7 +163,7 @@ def shared_prefix_pass(model, temperature=1.0, chunk=4096):
             leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
                       for k, v in kv]
         return sequence_logprobs(model, b.ids, b.attn, b.mask, temperature, chunk=chunk,
-                                 past_key_values=_cache(leaves, len(b.ids)))
+                                 past_key_values=_cache(leaves, len(b.ids)), impl=impl)
     yield logprobs
     through_prefix()
 
