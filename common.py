@@ -103,6 +103,7 @@ class Device(NamedTuple):
     checkpointing: bool      # gradient checkpointing: less activation memory; its layers drop the shared prefix's
                              # cache, so the log-prob pass runs every row whole
     sampler: dict            # sampler.make_agent's device settings: kv_budget_gib (0: automatic), sample_weights
+    kernel: str = "torch"    # the log-prob kernel (kernels/logprobs.py): "triton" on a GPU, the torch reference on CPU
 
 
 def native_bf16() -> bool:
@@ -125,7 +126,14 @@ def setup_device(args, lora_r: int = 16) -> Device:
     precision = functools.partial(torch.autocast, "cuda" if cuda else "cpu", torch.bfloat16,
                                   enabled=args.train_bf16 == "on")
     return Device(precision, args.grad_checkpointing == "on",
-                  dict(kv_budget_gib=args.kv_budget, sample_weights=args.sample_weights))
+                  dict(kv_budget_gib=args.kv_budget, sample_weights=args.sample_weights), logprob_kernel())
+
+
+def logprob_kernel() -> str:
+    """The log-prob kernel the passes use, decided once: Triton's on a GPU with triton installed, else the torch
+    reference (kernels/logprobs.py)."""
+    from kernels.logprobs import HAVE_TRITON
+    return "triton" if torch.cuda.is_available() and HAVE_TRITON else "torch"
 
 
 def say_memory_plan(args, config, card: int, lora_r: int = 16):

@@ -1,8 +1,9 @@
 """GRPO with a simulated user inside the rollout loop: the RL stage of MUA-RL (arXiv 2508.18669).
 
-A step of main()'s loop: G conversations of each drawn task, each with a fresh env and simulated user, and their
-binary rewards (sample_groups) -> advantages within each group whose rewards differ (group_advantages) -> PPO-clipped
-loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_update). Then held-out pass^1.
+One step, grpo_step, top to bottom: G conversations of each drawn task, each with a fresh env and simulated user ->
+the groups whose rewards differ -> advantages within each group -> pi_old's and pi_ref's log-probs -> the PPO-clipped
+loss + beta * k3 KL to the frozen start over the sampled tokens -> an AdamW step a mini-batch. main() loops it and
+measures held-out pass^1 every --eval-every steps.
 
     python rl.py                        # from runs/sft/adapter; the CPU preset without a GPU, paper sizes with one
     python rl.py --steps 3              # resume that run for two more steps
@@ -11,22 +12,18 @@ loss + beta * k3 KL to the frozen start over the sampled tokens -> AdamW (grpo_u
     python rl.py --model Qwen/Qwen3-8B --load-in-4bit --user openai:gpt-4o   # paper scale, one GPU
 Writes args.json, metrics.jsonl, rl.png, rollouts/, reference/ (the starting adapter), ckpt-NNNNNN/, adapter/ under
 --out. The same command resumes after a kill; a folder holding a run with other settings is refused.
-The fast sampler gives the plain one's tokens, greedy and sampled: each conversation draws from its own stream, seeded
-by its task and trial and the draw's seed (from --seed, the step and the draw), through one rule
-(sampler/plain.py:sample_next); on CPU tested token for token at T = 0.7 on 16 conversations, their logits a few 1e-6
-apart, so a token could split only where a uniform lands that close to a boundary (tests/test_sampler.py). The GPU's
-static step is tested equal greedy; sampled, its log-probs against a teacher-forced pass (tests/test_static_decode.py).
 
 Simplifications versus the paper: SmolLM2-135M on CPU and LoRA, the reference a frozen copy of the starting adapter;
 our procedural domains and scripted users (a 135M model cannot play a user); PRESETS["cpu"] the same algorithm at
 small sizes; dynamic sampling (DAPO: only groups whose rewards differ are trained) and --screen are ours.
 """
-import functools
+import contextlib
 import math
 import os
 import random
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -146,35 +143,111 @@ def parse_args(argv=None):
     return args
 
 
+# ---------------------------------------------------------------- one GRPO step, top to bottom
+
+class Step(NamedTuple):
+    """What a GRPO step did (grpo_step): the groups drawn and those trained on, the rollouts left out (an LLM user
+    failed), the update's sums (None when no group was kept) and the seconds of sampling and of the update."""
+    drawn: list
+    kept: list
+    left: list
+    stats: dict | None
+    rollout_s: float | None                       # None: the rollouts were read back (--rollouts), not sampled
+    train_s: float
+
+
+class Sampling(NamedTuple):
+    """What sampling a conversation takes: the policy as a sampler (sampler.make_agent: the plain sampler or the fast
+    one, the same tokens), its tokenizer, and the factory of each conversation's simulated user (common.user_factory)."""
+    agent: object
+    tok: object
+    make_user: object
+
+
+def grpo_step(model, optimizer, sampling: Sampling, pools, step, args, setup, *, groups=None) -> Step:
+    """One GRPO step, in the paper's order: G conversations of each drawn task with the user in the loop, the groups
+    whose rewards differ, their advantages, the log-probs of the three policies, the clipped loss with its KL, an
+    AdamW step a mini-batch. setup: the device's decisions (common.setup_device); groups: the step's groups handed
+    in (a benchmark's, a test's) instead of sampled."""
+    t0 = time.time()
+    # 1. draws of --draw tasks, G conversations each with a fresh env and simulated user, and their rewards
+    model.eval()
+    drawn, left = sample_groups(sampling, pools, step, args) if groups is None else (groups, [])
+    # 2. the groups whose rewards differ: a group whose rewards all agree has advantage 0 and teaches nothing
+    kept = [g for g in drawn if has_signal(g)][:args.tasks]
+    sampled_s, stats = time.time() - t0, None
+    if kept:
+        # 3. advantages, within each group
+        rollouts = [t for g in kept for t in g]
+        adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g])) for g in kept]).to(model.device)
+        # 4. --mini-batches random subsets of the rollouts, an AdamW step each, in micro-batches of --micro-batch
+        model.train()
+        minis = mini_batches(rollouts, args, sampling.tok.pad_token_id, args.seed * SEED_STRIDE + step, model.device,
+                             whole_rows=setup.checkpointing)
+        moved = bool(optimizer.state)             # an AdamW step was taken before: pi_ref is no longer pi_old
+        precision = setup.precision()             # bf16 autocast, or nothing
+        # pi_old sampled the rollouts, and no step has moved it yet: a no-grad pass now gives its log-probs; the first
+        # mini-batch's come from its own forward below, taken before any step (its ratio is exactly 1)
+        with torch.no_grad(), precision:
+            olds = [None] + [logprobs_without_grad(model, mini, args, setup.kernel) for mini in minis[1:]]
+        stats = dict(kl_sum=0.0, clip_low=0, clip_high=0, tokens=0, grad_norm=0.0, updates=len(minis))
+        for mini, old in zip(minis, olds):
+            refs = None
+            if moved:                             # pi_ref, the frozen start (passes.reference_policy)
+                with torch.no_grad(), precision, passes.reference_policy(model):
+                    refs = logprobs_without_grad(model, mini, args, setup.kernel)
+            n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
+            optimizer.zero_grad(set_to_none=True)
+            with precision, logprob_pass(model, args, setup.kernel) as logprobs:
+                for i, b in enumerate(mini):      # each micro-batch's backward before the next one's forward
+                    logp = logprobs(b)                                         # pi, trained
+                    logp_old = logp.detach() if old is None else old[i]        # pi_old, the sampler
+                    logp_ref = refs[i] if moved else logp_old                  # pi_ref, the frozen start
+                    loss, counts = grpo_loss(logp, logp_old, logp_ref, adv[b.rows], b.mask, clip=args.clip,
+                                             beta=args.kl_coef, agg=args.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs)
+                    loss.backward()
+                    stats = {k: v + counts.get(k, 0) for k, v in stats.items()}
+            stats["grad_norm"] += float(clip_grad_norm_(optimizer.param_groups[0]["params"], args.max_grad_norm))
+            optimizer.step()
+    return Step(drawn, kept, left, stats, None if args.rollouts else sampled_s, time.time() - t0 - sampled_s)
+
+
 # ---------------------------------------------------------------- 1-2. sample, reward, keep the groups that teach
 
-def sample_groups(make_groups, pools, step, args):
-    """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws; make_groups(tasks, step=,
-    index=) -> the draw's groups, a group a task (sample_draw; main picks it). A rollout whose user simulator failed
-    or broke the check is left out (its 0 is not the agent's). -> (drawn, kept groups, left out)."""
+def sample_groups(sampling: Sampling, pools, step, args):
+    """Draws of --draw tasks until --tasks groups have reward variance, or --max-draws, a group a task
+    (sample_draw; --screen: screened). A rollout whose user simulator failed or broke the check is left out (its 0 is
+    not the agent's). -> (the drawn groups, the rollouts left out)."""
     rng = random.Random(args.seed * SEED_STRIDE + step)      # its own: a resumed run redraws the same tasks
     shuffled = [rng.sample(pool, len(pool)) for pool in pools.values()]
     order = [t for row in zip(*shuffled) for t in row][:args.draw * args.max_draws]   # the domains alternate
-    drawn, varied, left = [], [], []
+    drawn, left = [], []
     for index in range(args.max_draws):
-        groups = make_groups(order[index * args.draw:(index + 1) * args.draw], step=step, index=index)
+        tasks = order[index * args.draw:(index + 1) * args.draw]
+        if args.screen:                           # ablation: a group's rest only where its first K rollouts differ
+            groups = screened(sampling, tasks, args, step=step, index=index)
+        else:
+            groups = sample_draw(sampling, tasks, args, step=step, index=index)
         failed = [t for g in groups for t in g if t.failed]   # an LLM user failed or broke the check
         if failed:
             llm_users.stop_if_many_left_out([t for g in groups for t in g], args.max_sim_failures, f"step {step + 1}")
         left += failed
-        groups = [[t for t in g if not t.failed] for g in groups]
-        drawn, varied = drawn + groups, varied + [g for g in groups if has_signal(g)]
-        if len(varied) >= args.tasks:
+        drawn += [[t for t in g if not t.failed] for g in groups]
+        if sum(map(has_signal, drawn)) >= args.tasks:
             break
-    return drawn, varied[:args.tasks], left
+    sampling.agent.forget()                       # its keys/values go stale with the update: not kept beside it
+    return drawn, left
 
 
-def sample_draw(agent, tok, args, make_user, tasks, *, step, index, trials=None) -> list[list]:
+def sample_draw(sampling: Sampling, tasks, args, *, step, index, trials=None) -> list[list]:
     """A draw's conversations: trials [a, b) of every task (None: the whole group), a group a task, with a fresh env
-    and simulated user each, saved to <out>/rollouts/ROLLOUTS (viewer.py shows them)."""
+    and simulated user each, saved to <out>/rollouts/ROLLOUTS (viewer.py shows them). --rollouts: another run's
+    saved ones instead, read back (saved_draw)."""
+    if args.rollouts:                             # ablation: update rules compared on identical rollouts
+        return saved_draw(args, tasks, step=step, index=index, trials=trials)
     a, b = trials or (0, args.group_size)
-    trajs = rollout.run_episodes(agent, tok, tasks, group_size=b - a, first_trial=a, user=make_user,
-                                 max_turns=args.max_turns, max_context=args.max_context,
+    trajs = rollout.run_episodes(sampling.agent, sampling.tok, tasks, group_size=b - a, first_trial=a,
+                                 user=sampling.make_user, max_turns=args.max_turns, max_context=args.max_context,
                                  seed=args.seed * SEED_STRIDE + step * 101 + index, shaped=args.reward == "shaped",
                                  user_workers=args.user_workers)
     name = ROLLOUTS.format(step=step + 1, index=index, trials=f"-trials-{a}-{b}" if trials else "")
@@ -183,8 +256,7 @@ def sample_draw(agent, tok, args, make_user, tasks, *, step, index, trials=None)
 
 
 def saved_draw(args, tasks, *, step, index, trials=None) -> list[list]:
-    """--rollouts: sample_draw's groups as another run saved them, read back (update rules compared on identical
-    rollouts)."""
+    """--rollouts: sample_draw's groups as another run saved them, read back."""
     name = ROLLOUTS.format(step=step + 1, index=index, trials=f"-trials-{trials[0]}-{trials[1]}" if trials else "")
     if not os.path.isfile(path := os.path.join(args.rollouts, name)):
         raise SystemExit(f"--rollouts {args.rollouts}: no {os.path.basename(path)}; that run drew fewer steps or "
@@ -193,14 +265,14 @@ def saved_draw(args, tasks, *, step, index, trials=None) -> list[list]:
     return [trajs[s:s + size] for s in range(0, len(trajs), size)]
 
 
-def screened(make_groups, args, tasks, *, step, index) -> list[list]:
+def screened(sampling: Sampling, tasks, args, *, step, index) -> list[list]:
     """--screen K, an ablation of the draw: trials 0..K-1 of every task, then K..G-1 only of the tasks where one of
     the first K got a reward other than the batch's most common one (the others stay groups of K that teach nothing)."""
     K, G = args.screen, args.group_size
-    first = make_groups(tasks, step=step, index=index, trials=(0, K))
+    first = sample_draw(sampling, tasks, args, step=step, index=index, trials=(0, K))
     seen = Counter(t.reward for g in first for t in g if not t.failed).most_common(1)
     go = [i for i, g in enumerate(first) if any(not t.failed and t.reward != seen[0][0] for t in g)]
-    rest = make_groups([tasks[i] for i in go], step=step, index=index, trials=(K, G)) if go else []
+    rest = sample_draw(sampling, [tasks[i] for i in go], args, step=step, index=index, trials=(K, G)) if go else []
     for i, more in zip(go, rest):
         first[i] = first[i] + more
     return first
@@ -221,7 +293,7 @@ def group_advantages(rewards, eps=1e-4):
     return ((r - mean) / (std + eps)).view(-1)
 
 
-# ---------------------------------------------------------------- 4. the update
+# ---------------------------------------------------------------- 4. the log-probs and the loss
 
 def mini_batches(trajs, args, pad_id, seed, device, *, whole_rows=False) -> list[list]:
     """--mini-batches random subsets of the rollouts (a shuffle seeded by `seed`: a rerun splits the same way), each
@@ -252,48 +324,21 @@ def padded(trajs, rows, pad_id, device) -> passes.MicroBatch:
                              pad([trajs[r].loss_mask for r in rows], 0))
 
 
-def grpo_update(model, optimizer, trajs, adv, args, *, setup, pad_id, seed, at_start=False):
-    """One GRPO update on the kept groups' rollouts (advantages adv, (N,)): an AdamW step on each of mini_batches'
-    random subsets. The log-probs of the sampled tokens, (b, T) a micro-batch (micro_logprobs): logp under pi
-    (trained), logp_old under pi_old (the sampler), logp_ref under pi_ref (the frozen start). setup: the device's
-    decisions (common.setup_device: the passes' precision, whole rows under checkpointing). -> the update's stats,
-    summed."""
-    minis = mini_batches(trajs, args, pad_id, seed, model.device, whole_rows=setup.checkpointing)
-    fast, precision = args.logprob_pass == "fast", setup.precision()   # bf16 autocast, or nothing
-    # pi_old sampled the rollouts, and no step has moved it since: a pass now gives it. The first mini-batch trains
-    # before any step, so its logp_old is its own forward's logp (None here: taken in the loop; its ratio is 1).
-    with torch.no_grad(), precision:
-        logp_old = [None] + [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis[1:]]
-    logp_ref = logp_old            # pi_ref, the frozen start (passes.reference_policy): pi_old until RL's first step
-    if not at_start:
-        with torch.no_grad(), precision, passes.reference_policy(model):
-            logp_ref = [[lp for _, lp in micro_logprobs(model, mini, args.temperature, fast)] for mini in minis]
-    stats = dict(kl_sum=0.0, clip_low=0, clip_high=0, tokens=0, grad_norm=0.0, updates=len(minis))
-    adv = adv.to(model.device)
-    for mini, old, ref in zip(minis, logp_old, logp_ref):   # an AdamW step a mini-batch: pi moves from the second on
-        n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
-        optimizer.zero_grad(set_to_none=True)
-        with precision:
-            for i, logp in micro_logprobs(model, mini, args.temperature, fast):   # each backward before the next
-                now = logp.detach()                # pi_old's (and at the start pi_ref's) in the first mini-batch
-                loss, counts = grpo_loss(logp, now if old is None else old[i], now if ref is None else ref[i],
-                                         adv[mini[i].rows], mini[i].mask, clip=args.clip,
-                                         beta=args.kl_coef, agg=args.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs)
-                loss.backward()
-                stats = {k: v + counts.get(k, 0) for k, v in stats.items()}
-        stats["grad_norm"] += float(clip_grad_norm_(optimizer.param_groups[0]["params"], args.max_grad_norm))
-        optimizer.step()
-    return stats
+def logprob_pass(model, args, kernel="torch"):
+    """The seam of --logprob-pass: a block inside which logprobs(b) gives micro-batch b's log-probs, (b, T) fp32.
+    plain: plain_logprobs, a forward of the whole rows (the code to read). fast, the default
+    (passes.shared_prefix_pass): each domain's system prompt once, the lm_head in chunks, the same numbers up to
+    rounding; the prefix's own backward runs when a domain's micro-batches end, so each micro-batch's backward must
+    come before the next one's forward. kernel: the device's (common.setup_device)."""
+    if args.logprob_pass == "plain":
+        return contextlib.nullcontext(lambda b: plain_logprobs(model, b, args.temperature))
+    return passes.shared_prefix_pass(model, args.temperature, impl=kernel)
 
 
-def micro_logprobs(model, mini, temperature, fast):
-    """Each micro-batch's log-probs in order, (i, logp (b, T) fp32). The plain pass (--logprob-pass plain):
-    plain_logprobs, a micro-batch at a time. The fast pass (the default; kernels/passes.py): each domain's system
-    prompt through the model once, the lm_head in chunks, the same numbers up to rounding; with grad on, each logp's
-    backward must run before the next comes (the prefix's gradient adds up across its micro-batches)."""
-    if fast:
-        return passes.shared_prefix_logprobs(model, mini, temperature)
-    return ((i, plain_logprobs(model, b, temperature)) for i, b in enumerate(mini))
+def logprobs_without_grad(model, mini, args, kernel) -> list:
+    """A no-grad pass over a mini-batch: each micro-batch's log-probs (b, T), pi_old's or, as the reference, pi_ref's."""
+    with logprob_pass(model, args, kernel) as logprobs:
+        return [logprobs(b) for b in mini]
 
 
 def plain_logprobs(model, b, temperature):
@@ -360,31 +405,14 @@ def main(argv=None):
     heldout = [t for d in domains for t in    # the curve's: held-out tasks past those eval.py's CPU preset reports
                envs.make_tasks(d, "test", args.eval_skip + args.eval_tasks, tiers, args.seed)[args.eval_skip:]]
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens, thinking=args.thinking,
-                               max_context=args.max_context, **setup.sampler)
-    make_user, tracker = common.user_factory(args, model, tok), common.tracker(args)   # users; --report-to
-    make_groups = functools.partial(sample_draw, agent, tok, args, make_user)   # G conversations a task, sampled now
-    if args.rollouts:                             # ablation: another run's rollouts, read back instead
-        make_groups = functools.partial(saved_draw, args)
-    if args.screen:                               # ablation: a group's rest only where its first K rollouts differ
-        make_groups = functools.partial(screened, make_groups, args)
+                               max_context=args.max_context, **setup.sampler)   # the plain sampler or the fast one
+    sampling, tracker = Sampling(agent, tok, common.user_factory(args, model, tok)), common.tracker(args)
     if start == 0 and args.eval_every:            # where the curve starts: the policy RL starts from
         log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args, setup)), tracker)
     for step in range(start, args.steps):
         t0 = time.time()
-        model.eval()                              # 1-2. rollouts with the user in the loop, rewards, dynamic sampling
-        drawn, kept, left = sample_groups(make_groups, pools, step, args)
-        agent.forget()                            # its keys/values go stale with the update: not kept beside it
-        sampled_s = time.time() - t0
-        stats = None
-        if kept:                                  # 3. advantages within each kept group
-            adv = torch.cat([group_advantages(torch.tensor([t.reward for t in g])) for g in kept])
-            model.train()                         # 4. log-probs -> clipped loss + k3 KL -> AdamW
-            stats = grpo_update(model, optimizer, [t for g in kept for t in g], adv, args, setup=setup,
-                                pad_id=tok.pad_token_id, seed=args.seed * SEED_STRIDE + step,
-                                at_start=not optimizer.state)
-        seconds = dict(rollout_s=None if args.rollouts else sampled_s, train_s=time.time() - t0 - sampled_s)
-        m = step_metrics(step, drawn, kept, left, stats, seconds=seconds, price=args.user_price)
-        if args.eval_every and (step + 1) % args.eval_every == 0:     # 5. the held-out curve
+        m = step_metrics(step, grpo_step(model, optimizer, sampling, pools, step, args, setup), args.user_price)
+        if args.eval_every and (step + 1) % args.eval_every == 0:     # the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args, setup))
         log(args, metrics, m | dict(s_per_step=time.time() - t0), tracker)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
@@ -415,31 +443,28 @@ def heldout_pass1(model, tok, tasks, args, setup) -> dict:
 
 # ---------------------------------------------------------------- output: the log line, metrics.jsonl, the plot
 
-def step_metrics(step, drawn, kept, left, stats, *, seconds, price) -> dict:
+def step_metrics(step, s: Step, price) -> dict:
     """The step's numbers: reward, pass rate, groups, KL, the share of trained tokens where the clip binds (each side
-    and both: clip_low, clip_high, clip_binds), grad norm, entropy, tokens, seconds (stats: the
-    update's sums, None when no group was kept), and what its LLM users did and cost (llm_users.user_report, nothing
-    for scripted users; their waiting's share of the step's sampling and update time). Entropy is the mean -log p of
-    the sampled tokens."""
-    every = [t for g in drawn for t in g]
+    and both: clip_low, clip_high, clip_binds), grad norm, entropy, tokens, seconds, and what its LLM users did and
+    cost (llm_users.user_report, nothing for scripted users; their waiting's share of the step's sampling and update
+    time). Entropy is the mean -log p of the sampled tokens."""
+    every, stats = [t for g in s.drawn for t in g], s.stats
     rewards = torch.tensor([t.reward for t in every])
     sampled = sum(sum(t.loss_mask) for t in every)
-    rollout_s = seconds["rollout_s"]                     # None: the rollouts were read back (--rollouts), not timed
 
     def per(k):                                          # an update's sum, per trained token
         return stats[k] / max(stats["tokens"], 1) if stats else None
     return dict(step=step + 1, reward=rewards.mean().item(), pass_rate=(rewards >= 1).float().mean().item(),
-                groups_drawn=len(drawn), groups_varied=sum(map(has_signal, drawn)),
-                signal_token_share=sum(sum(t.loss_mask) for g in drawn if has_signal(g) for t in g) / max(sampled, 1),
-                groups_trained=len(kept), kl=per("kl_sum"), clip_low=per("clip_low"), clip_high=per("clip_high"),
+                groups_drawn=len(s.drawn), groups_varied=sum(map(has_signal, s.drawn)),
+                signal_token_share=sum(sum(t.loss_mask) for g in s.drawn if has_signal(g) for t in g) / max(sampled, 1),
+                groups_trained=len(s.kept), kl=per("kl_sum"), clip_low=per("clip_low"), clip_high=per("clip_high"),
                 clip_binds=per("clip_low") + per("clip_high") if stats else None,
                 grad_norm=stats["grad_norm"] / max(stats["updates"], 1) if stats else None,
                 entropy=-sum(sum(t.logprobs) for t in every) / max(sampled, 1), tokens=sampled,
                 train_tokens=stats["tokens"] if stats else 0, turns=sum(t.turns for t in every) / len(every),
-                repeated_questions=mean_repeated(every),
-                sim_failures=len(left), **seconds, tok_per_s=sampled / rollout_s if rollout_s else None,
-                by_user=by_user(every),
-                **llm_users.user_report(every + left, rollout_s + seconds["train_s"] if rollout_s else None, price))
+                repeated_questions=mean_repeated(every), sim_failures=len(s.left), rollout_s=s.rollout_s,
+                train_s=s.train_s, tok_per_s=sampled / s.rollout_s if s.rollout_s else None, by_user=by_user(every),
+                **llm_users.user_report(every + s.left, s.rollout_s + s.train_s if s.rollout_s else None, price))
 
 
 def mean_repeated(trajs) -> float | None:

@@ -350,6 +350,9 @@ class TextAgent:
                [self.fmt.end_of_turn_id] for turn in batch]
         return [(x, [0.0] * len(x)) for x in ids]
 
+    def forget(self):
+        """A text agent keeps no keys/values between turns: nothing to drop before an update."""
+
 
 class OracleAgent(TextAgent):
     """The world's gold agent (envs.oracle_reply): cold-start data (sft.py) and the agent that solves every task

@@ -12,7 +12,7 @@ What it does
      over loss_mask tokens (the agent's text and tool calls with their end-of-turn; system, user and
      tool tokens count for nothing), through kernels/passes.py's sequence_logprobs as in rl.py. AdamW, linear
      warmup then cosine decay, gradient accumulation. A batch holds one domain, whose system prompt
-     goes through the model once per batch with an exact gradient (passes.shared_prefix_logprobs;
+     goes through the model once per batch with an exact gradient (passes.shared_prefix_pass;
      `python scripts/bench_update.py --sft` times it against the per-conversation pass). Checkpoints every
      --save-every steps; rerunning the same command resumes. Final adapter: <out>/adapter.
 
@@ -199,21 +199,22 @@ def make_data(args, tokenizer) -> list[dict]:
 
 # ----------------------------------------------------------------------------- SFT pieces
 
-def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int) -> float:
+def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int, kernel: str = "torch") -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
-    goes through the model once for the group (kernels/passes.py: cut_shared_prefix, shared_prefix_logprobs; exact).
-    A batch holds one domain (epoch_batches)."""
+    goes through the model once for the group (kernels/passes.py: cut_shared_prefix, shared_prefix_pass; exact).
+    A batch holds one domain (epoch_batches). kernel: the log-prob kernel, decided once (common.logprob_kernel)."""
     micro = passes.micro_batches([r["token_ids"] for r in batch], [r["loss_mask"] for r in batch],
                                  args.micro_batch_size, pad, keys=[domain_of(r) for r in batch], max_len=args.max_len,
                                  device=model.get_input_embeddings().weight.device)
     if args.share_prefix == "on" and args.grad_checkpointing == "off":
         micro = passes.cut_shared_prefix(micro)
     total = 0.0
-    for _, logp in passes.shared_prefix_logprobs(model, micro):
-        loss = -logp.sum() / max(1, n_tok)
-        loss.backward()                       # before the next micro-batch: the prefix's gradient adds up
-        total += loss.item()
+    with passes.shared_prefix_pass(model, impl=kernel) as logprobs:
+        for b in micro:
+            loss = -logprobs(b).sum() / max(1, n_tok)
+            loss.backward()                   # before the next micro-batch: the prefix's gradient adds up
+            total += loss.item()
     return total
 
 
@@ -270,13 +271,14 @@ def train(args, model, tokenizer, rows: list[dict]):
     warmup = max(1, round(args.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, args.schedule))
     start, metrics = common.resume(args.out, model, opt, sched)    # a rerun after a kill goes on from here
+    kernel = common.logprob_kernel()                                # the log-prob kernel, decided once
     model.train()
     bar = tqdm(range(start, total), initial=start, total=total, desc="sft", file=sys.stdout)
     for step in bar:
         t0 = time.time()
         batch = batch_rows(rows, step, args.batch_size, args.seed)
         n_tok = sum(sum(r["loss_mask"][:args.max_len]) for r in batch)   # normaliser for the whole batch
-        loss_sum = backward_batch(model, batch, args, tokenizer.pad_token_id, n_tok)
+        loss_sum = backward_batch(model, batch, args, tokenizer.pad_token_id, n_tok, kernel)
         seen = sum(min(len(r["token_ids"]), args.max_len) for r in batch)
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         lr = sched.get_last_lr()[0]

@@ -7,7 +7,7 @@ sft.py step). rl.py's plain pass (plain_logprobs: one forward, a log-softmax) is
   sequence_logprobs           the log-probs of the trained tokens: the decoder body, then the lm_head in chunks
                               (masked_logprobs_chunked), never the (B, T, V) logits
   cut_shared_prefix,          each domain's system prompt (~1.8k of ~2.7k tokens a row) cut off its rows and run
-  shared_prefix_logprobs      once a pass, exact, the gradient included
+  shared_prefix_pass          once a pass, exact, the gradient included
 Imports nothing of ours outside kernels/.
 """
 import contextlib
@@ -79,7 +79,7 @@ def reference_policy(model):
 # pass, and gives the per-token log-probs of the tokens that were sampled (masked_logprobs_chunked under the lm_head).
 
 def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0, *, chunk=4096,
-                      past_key_values=None):
+                      past_key_values=None, impl="torch"):
     """out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where loss_mask[b, t] == 1, else 0. (B, T) fp32.
 
     model: a HF causal LM or a peft model wrapping one. LoRA is active unless called inside
@@ -88,8 +88,9 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     Positions count real tokens (attention_mask.cumsum - 1), as HF generate does with left padding;
     for right-padded sequences that start at position 0 they are simply 0, 1, 2, ...
     Position t = 0 has no context and is always 0. chunk: token rows per lm_head matmul.
-    past_key_values: a cache of P tokens that every row continues (see shared_prefix_logprobs);
+    past_key_values: a cache of P tokens that every row continues (see shared_prefix_pass);
     positions then start at P, and column 0 is still 0 (its context ends inside the cache).
+    impl: the log-prob kernel, decided by the caller's setup (common.logprob_kernel).
     """
     body, lm_head = model.get_decoder(), model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
@@ -111,13 +112,13 @@ def sequence_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1
     # the hidden state at t-1 predicts token t
     mask = (loss_mask[:, 1:] != 0) & (attention_mask[:, 1:] != 0)
     lp = masked_logprobs_chunked(hidden[:, :-1].reshape(-1, H), lm_head.weight, input_ids[:, 1:].reshape(-1),
-                                 mask.reshape(-1), temperature, chunk)
+                                 mask.reshape(-1), temperature, chunk, impl)
     return F.pad(lp.view(B, T - 1), (1, 0))  # (B, T): column 0 has no context
 
 
 def cut_shared_prefix(micro: list) -> list:
     """micro_batches' micro-batches with the tokens each key's rows all start with and none trains on (shared_prefix_len)
-    cut off the rows and kept once, as the micro-batches' prefix: shared_prefix_logprobs runs it once a pass."""
+    cut off the rows and kept once, as the micro-batches' prefix: shared_prefix_pass runs it once a pass."""
     out = []
     for _, run in itertools.groupby(micro, key=lambda b: b.key):     # a key's micro-batches are consecutive
         run = list(run)
@@ -129,33 +130,42 @@ def cut_shared_prefix(micro: list) -> list:
     return out
 
 
-def shared_prefix_logprobs(model, micro: list, temperature=1.0, chunk=4096):
-    """sequence_logprobs of each micro-batch micro[j], a key's prefix (cut_shared_prefix) through the model
-    once, not once per row. A generator of (j, logp (b, T - P)). With grad on (training), take each logp's backward
-    before the next one comes: the rows run against detached copies of the prefix's keys/values, whose gradients
-    add up, and after a key's last micro-batch one backward takes them through the prefix. Exact: the gradient of
-    one full pass per row. Under no_grad it is a forward of every row, the prefix once.
+@contextlib.contextmanager
+def shared_prefix_pass(model, temperature=1.0, chunk=4096, impl="torch"):
+    """The fast log-prob pass over micro-batches whose rows had their key's prefix cut off (cut_shared_prefix): inside
+    the block, logprobs(b) gives micro-batch b's sequence_logprobs (b, T - P), each key's prefix through the model
+    once, when its first micro-batch comes.
 
-        for j, logp in shared_prefix_logprobs(model, micro):
-            loss_of(logp, micro[j]).backward()
+        with shared_prefix_pass(model) as logprobs:
+            for b in micro:
+                loss_of(logprobs(b), b).backward()        # each micro-batch's backward before the next forward
 
-    Needs activation checkpointing off when P > 0 (transformers drops the cache inside checkpointed layers)."""
-    for _, run in itertools.groupby(range(len(micro)), key=lambda j: micro[j].key):
-        run = list(run)
-        prefix = micro[run[0]].prefix
-        if prefix is not None and len(prefix) and model.training and \
-                any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-            raise ValueError("shared_prefix_logprobs needs gradient checkpointing off: transformers ignores "
-                             "past_key_values in checkpointed layers")
-        kv = _prefix_kv(model, prefix)                                           # in the graph when grad is on
-        leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
-                  for k, v in kv]
-        for j in run:
-            b = micro[j]
-            yield j, sequence_logprobs(model, b.ids, b.attn, b.mask, temperature, chunk=chunk,
-                                       past_key_values=_cache(leaves, len(b.ids)))
+    With grad on, a key's rows run against detached copies of its prefix's keys/values, whose gradients add up there;
+    when its micro-batches end (the next key's first micro-batch, or the block's end) one backward takes them through
+    the prefix: the gradient of one full pass per row, exact. Under no_grad, a forward of every row, the prefix once.
+    Needs activation checkpointing off when a prefix is cut (transformers drops the cache in checkpointed layers).
+    impl: the log-prob kernel (common.logprob_kernel)."""
+    key, kv, leaves = object(), [], []              # the key under way, its prefix's keys/values and their copies
+
+    def through_prefix():                           # the key's rows are done: their gradient through the prefix
         if kv and kv[0][0].requires_grad:
             torch.autograd.backward([t for pair in kv for t in pair], [t.grad for pair in leaves for t in pair])
+
+    def logprobs(b):
+        nonlocal key, kv, leaves
+        if b.key != key:
+            through_prefix()
+            if b.prefix is not None and len(b.prefix) and model.training and \
+                    any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+                raise ValueError("shared_prefix_pass needs gradient checkpointing off: transformers ignores "
+                                 "past_key_values in checkpointed layers")
+            key, kv = b.key, _prefix_kv(model, b.prefix)                  # in the graph when grad is on
+            leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
+                      for k, v in kv]
+        return sequence_logprobs(model, b.ids, b.attn, b.mask, temperature, chunk=chunk,
+                                 past_key_values=_cache(leaves, len(b.ids)), impl=impl)
+    yield logprobs
+    through_prefix()
 
 
 def shared_prefix_len(token_ids: list[list[int]], loss_masks: list[list[int]]) -> int:

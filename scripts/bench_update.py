@@ -1,8 +1,9 @@
 """A training update's cost, measured: python scripts/bench_update.py [--sft | --memory-check] [the stage's flags].
 
-  (default)        one rl.grpo_update of --init's adapter on a default-sized group (rl.py's flags), timed four ways
-                   after one untimed warm-up: fp32 with the reference pass (the baseline), fp32 without it (the first
-                   step's case), both under bf16 autocast. AdamW at lr 0, so every way times the same update.
+  (default)        one GRPO update (rl.grpo_step on groups handed in) of --init's adapter on a default-sized group
+                   (rl.py's flags), timed four ways after an untimed warm-up: fp32 with the reference pass (the
+                   baseline), fp32 without it (the first step's case), both under bf16 autocast. AdamW at lr 0, so
+                   every way times the same update.
   --sft            SFT's training pass (sft.backward_batch, sft.py's flags, e.g. --load-in-4bit) on one batch of 4
                    retail conversations (the oracle's), timed three ways, each after a warm-up pass: the system prompt
                    once per batch (sft.py's default), once per conversation (the baseline), and once per conversation
@@ -28,19 +29,19 @@ import rollout  # noqa: E402
 import sft  # noqa: E402
 from envs import ours  # noqa: E402
 from kernels import harness, passes  # noqa: E402
-from rl import group_advantages, grpo_update  # noqa: E402
 
 
 def bench_update(args, rows=4, prefix=1644, own=990):
-    """The four ways of one GRPO update (grpo_update, the preset's micro-batches), on random tokens shaped like a
-    default rollout group's: a shared system prompt of `prefix` tokens, then `own` tokens a row, a third sampled."""
+    """The four ways of one GRPO update (rl.grpo_step on groups handed in, the preset's micro-batches), on random
+    tokens shaped like a default rollout group's: a shared system prompt of `prefix` tokens, then `own` tokens a row,
+    a third sampled; groups of two rollouts, rewards 1 and 0."""
     import tempfile
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(100, 40000, (prefix,), generator=g).tolist()
     trajs = [SimpleNamespace(token_ids=shared + torch.randint(100, 40000, (own,), generator=g).tolist(), domain=None,
-                             loss_mask=[0] * (prefix + 1) + (torch.rand(own - 1, generator=g) < 1 / 3).long().tolist())
-             for _ in range(rows)]
-    adv = torch.tensor([1.0, -1.0] * (rows // 2))
+                             loss_mask=[0] * (prefix + 1) + (torch.rand(own - 1, generator=g) < 1 / 3).long().tolist(),
+                             reward=float(i % 2 == 0), failed="") for i in range(rows)]
+    groups = [trajs[i:i + 2] for i in range(0, rows, 2)]
     model, tok = rollout.load_model(args.model or rollout.DEFAULT_MODEL)
     with tempfile.TemporaryDirectory() as out:            # load_policy writes the frozen reference there
         model = rollout.load_policy(model, args.init, os.path.join(out, "reference"), args.lora_r, args.lora_alpha)
@@ -49,11 +50,13 @@ def bench_update(args, rows=4, prefix=1644, own=990):
     print(f"bench-update: {rows} rows of {prefix} shared + {own} own tokens, micro-batch {args.micro_batch}, "
           f"{harness.machine()}")
 
-    def update(bf16: str, skip: bool):                     # skip: no reference pass, as on the first step
-        way = SimpleNamespace(**{**vars(args), "train_bf16": bf16})
-        grpo_update(model, opt, trajs, adv, way, setup=common.setup_device(way), pad_id=tok.pad_token_id, seed=0,
-                    at_start=skip)
-    update("off", False)                                   # the untimed warm-up
+    def update(bf16: str, skip: bool):      # skip: an optimizer with no state yet, as at the first step: no reference pass
+        way = SimpleNamespace(**{**vars(args), "train_bf16": bf16, "tasks": len(groups), "seed": 0, "rollouts": None})
+        if skip:
+            opt.state.clear()
+        rl.grpo_step(model, opt, rl.Sampling(None, tok, None), {}, 0, way, common.setup_device(way), groups=groups)
+    update("off", True)                                    # the untimed warm-up, once without a state, once with
+    update("off", False)
     base = None
     for name, bf16, skip in (("fp32, reference pass", "off", False), ("fp32, no reference pass", "off", True),
                              ("bf16, reference pass", "on", False), ("bf16, no reference pass", "on", True)):
@@ -150,14 +153,17 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
     for i in range(n_seq):     # system/user tokens then sampled tokens: loss on the second half
         ids = torch.randint(0, config.vocab_size, (seq_len,), generator=g).tolist()
         trajs.append(SimpleNamespace(token_ids=ids, loss_mask=[0] * (seq_len // 2) + [1] * (seq_len - seq_len // 2),
-                                     domain=None))
-    adv = group_advantages(torch.tensor([1.0, 0.0] * (n_seq // 2)))
+                                     domain=None, reward=float(i % 2 == 0), failed=""))
+    groups = [trajs[i:i + 2] for i in range(0, n_seq, 2)]                 # rewards 1 and 0 in each
     args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
-                           grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast")
+                           grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast",
+                           tasks=len(groups), seed=0, rollouts=None)
     setup = common.Device(contextlib.nullcontext, checkpointing=True, sampler={})   # the memory check's own
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     with harness.PeakMemory(cuda) as mem:     # on a GPU, what is allocated at entry is the weights
-        seconds, st = harness.timed(lambda: grpo_update(model, opt, trajs, adv, args, setup=setup, pad_id=0, seed=0))
+        seconds, done = harness.timed(lambda: rl.grpo_step(model, opt, rl.Sampling(None, SimpleNamespace(pad_token_id=0),
+                                                                                   None), {}, 0, args, setup, groups=groups))
+    st = done.stats
     weights_gib = mem.base / 2**30 if cuda else \
         sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30
     peak = mem.peak / 2**30

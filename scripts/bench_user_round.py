@@ -16,7 +16,6 @@ Runs (--runs, comma list):
 Run:  python scripts/bench_user_round.py                  # the four runs, about 2 minutes
       python scripts/bench_user_round.py --runs clean --tasks 4 --group-size 2 --latency 0.1   # a quick look
 """
-import functools
 import json
 import os
 import sys
@@ -74,8 +73,8 @@ def run(name, args, tasks, tok, out):
         make_user = envs.UserFactory("openai:scripted", dict(base_url=srv.url, api_key="none", timeout=args.timeout,
                                                              max_retries=args.max_retries))
         try:
-            draw = functools.partial(rl.sample_draw, rollout.OracleAgent(tok), tok, rl_args, make_user)
-            drawn, kept, left = rl.sample_groups(draw, {"all": tasks}, 0, rl_args)
+            drawn, left = rl.sample_groups(rl.Sampling(rollout.OracleAgent(tok), tok, make_user), {"all": tasks}, 0,
+                                           rl_args)
         except SystemExit as e:                     # rl.py's one line, past --max-sim-failures
             stop = str(e)
     wall = time.time() - t0
@@ -92,7 +91,7 @@ def run(name, args, tasks, tok, out):
                 lost=len(trajs) - len(done), complete=len(done),
                 reward=sum(t["reward"] for t in done) / len(done) if done else None,
                 outcome=stop or f"{len(drawn)} groups drawn, {sum(map(len, drawn))} rollouts scored, "
-                                f"{len(left)} left out, {len(kept)} with reward variance")
+                                f"{len(left)} left out, {sum(map(rl.has_signal, drawn))} with reward variance")
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ short keeps what finished; --parts reruns some. At the end, one table of them al
            the torch reference (eager), torch.compile of it and TRL's selective_log_softmax (triton's do_bench,
            every row valid); GB/s as a share of a device-to-device copy measured in the same run. The kernel's
            benchmark: its timing runs only here, on a GPU (CPU or interpreter timings say nothing of it)
-  update   one GRPO update (rl.grpo_update) of Qwen3-8B's shapes, random NF4 weights + LoRA r16, on 8
+  update   one GRPO update (rl.grpo_step on groups handed in) of Qwen3-8B's shapes, random NF4 weights + LoRA r16, on 8
            sequences of 8k tokens with activation checkpointing: peak GiB (target <= 20) and seconds
            (scripts/bench_update.py's memory check)
   decode   the sampler as rl.py makes it on that model (its turns ending at different lengths), each sampling-weights
@@ -692,8 +692,8 @@ def part_rlstep(args, ctx, part):
     """rl.main, one step, in this process on the 8B-shaped model (the CPU rehearsal: a tiny Qwen3 and a tiny step).
     rollout.load_model hands it that model (its LoRA made already: rollout.add_lora passes it through) and
     rollout.model_config its config (rl.py's memory plan on CUDA, before it loads); the first
-    RL_GROUPS tasks' rollouts score trial % 2, the others 0; rl.grpo_update is wrapped to read the peaks, and the
-    static decoder's graph captures to count them."""
+    RL_GROUPS tasks' rollouts score trial % 2, the others 0; rl.sample_groups and rl.grpo_step are wrapped to read
+    the peaks (sampling's, then the update's), and the static decoder's graph captures to count them."""
     from unittest import mock
     import rl
     import rollout
@@ -716,8 +716,8 @@ def part_rlstep(args, ctx, part):
             "--load-in-4bit", "--out", out] + (["--max-turns", str(RL_TURNS)] if cuda else   # the rest: the preset's
                                                ["--max-turns", "1", "--tasks", "2", "--draw", "2", "--group-size", "2",
                                                 "--max-new-tokens", "8"])
-    run_episodes, update, make_agent, capture = rollout.run_episodes, rl.grpo_update, sampler.make_agent, \
-        StaticDecoder._capture
+    run_episodes, sample_groups, grpo_step, make_agent, capture = rollout.run_episodes, rl.sample_groups, \
+        rl.grpo_step, sampler.make_agent, StaticDecoder._capture
     peaks, agents, captures = {}, [], []
 
     def rewarded(*a, **kw):                          # RL_GROUPS groups with reward variance, the rest all 0
@@ -733,9 +733,13 @@ def part_rlstep(args, ctx, part):
             peaks[name] = torch.cuda.max_memory_allocated() / GIB
             torch.cuda.reset_peak_memory_stats()
 
-    def measured_update(*a, **kw):
+    def measured_sampling(*a, **kw):
+        out = sample_groups(*a, **kw)
         peak("sampling_peak_gib")
-        out = update(*a, **kw)
+        return out
+
+    def measured_step(*a, **kw):                     # the peak since sampling's: the update's
+        out = grpo_step(*a, **kw)
         peak("update_peak_gib")
         return out
 
@@ -756,7 +760,8 @@ def part_rlstep(args, ctx, part):
             mock.patch.object(rollout, "model_config", lambda *a, **kw: model.config), \
             mock.patch.object(rollout, "add_lora", lambda m, **kw: m), \
             mock.patch.object(rollout, "run_episodes", rewarded), \
-            mock.patch.object(rl, "grpo_update", measured_update), \
+            mock.patch.object(rl, "sample_groups", measured_sampling), \
+            mock.patch.object(rl, "grpo_step", measured_step), \
             mock.patch.object(sampler, "make_agent", kept_agent), \
             mock.patch.object(StaticDecoder, "_capture", counted_capture):
         print(f"  rl.py {' '.join(argv)}", flush=True)

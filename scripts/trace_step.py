@@ -4,8 +4,9 @@
     python scripts/trace_step.py --default       # the default samplers and passes instead
 
 The trace is on only while the step's own work runs: rl.sample_groups (a --smoke sampling step: one task, two
-conversations of one agent turn, a tiny random Llama with the default model's tokenizer), rl.group_advantages
-and rl.grpo_update (on those two rollouts, their rewards set to 1 and 0 so the group teaches). It counts the
+conversations of one agent turn, a tiny random Llama with the default model's tokenizer), then rl.grpo_step on
+those two rollouts handed in, their rewards set to 1 and 0 so the group teaches (older commits: group_advantages
+and grpo_update). It counts the
 distinct lines executed and the distinct functions entered in this repository's files, and prints them per file:
 the step's own code first, then the world's (envs/, users.py: the tasks, tools and users it talks to). Functions
 are named ones (a comprehension or a lambda is part of the function it sits in); a line is every source line of
@@ -107,9 +108,20 @@ def main(argv=None):
     pools = {d: envs.make_tasks(d, "train", rl.TASK_POOL, args.tiers.split(","), args.seed)
              for d in args.domains.split(",")}
     agent = sampler.make_agent(args.sampler, model, tok, args.temperature, args.max_new_tokens)
-    users = inspect.signature(rl.sample_groups).parameters      # older commits' ways, so their step traces too
     torch.manual_seed(0)
     trace = Tracer()
+    if hasattr(rl, "grpo_step"):                                # the step one function: its sampling, then the rest
+        sampling = rl.Sampling(agent, tok, rl.common.user_factory(args))
+        drawn, lost = trace.run(rl.sample_groups, sampling, pools, 0, args)
+        trajs = [t for g in drawn for t in g][:2]
+        for t, r in zip(trajs, (1.0, 0.0)):
+            t.reward = r
+        optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+        trace.run(rl.grpo_step, model, optimizer, sampling, pools, 0, args, rl.common.setup_device(args),
+                  groups=[trajs])
+        report(trace)
+        return
+    users = inspect.signature(rl.sample_groups).parameters      # older commits' ways, so their step traces too
     if {"draw", "make_groups"} & set(users):                    # main hands sample_groups the draw
         draw = functools.partial(rl.sample_draw, agent, tok, args, rl.common.user_factory(args))
         drawn, kept, lost = trace.run(rl.sample_groups, draw, pools, 0, args)
@@ -128,7 +140,11 @@ def main(argv=None):
     setup = {"setup": rl.common.setup_device(args)} if "setup" in params else {}   # older commits: none
     trace.run(rl.grpo_update, model, optimizer, trajs, adv, args, pad_id=tok.pad_token_id,
               **{first: True, **({"seed": 0} if "seed" in params else {}), **setup})
+    report(trace)
 
+
+def report(trace):
+    """The traced lines and functions a file, the step's files and the world's apart."""
     lines = {f: trace.physical_lines(f) for f in trace.lines}
     rows = sorted(lines, key=lambda f: (f.startswith(WORLD), f))
     print(f"{'file':<28}{'lines':>7}{'functions':>11}")

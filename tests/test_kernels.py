@@ -20,7 +20,7 @@ import torch
 
 from kernels import logprobs_torch, masked_logprobs, masked_logprobs_chunked
 from kernels.logprobs import HAVE_TRITON
-from kernels.passes import MicroBatch, sequence_logprobs, shared_prefix_logprobs
+from kernels.passes import MicroBatch, sequence_logprobs, shared_prefix_pass
 
 IMPLS = ["triton", "torch"] if HAVE_TRITON else ["torch"]
 GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -320,14 +320,15 @@ def test_sequence_logprobs_lora_and_reference_policy(tiny_llama):
 
 
 def backward_with_prefix_once(model, prefix, micro_batches, n_tok) -> list[float]:
-    """sft.py's and rl.py's fast pass: the prefix once (passes.shared_prefix_logprobs), each micro-batch's loss
+    """sft.py's and rl.py's fast pass: the prefix once (passes.shared_prefix_pass), each micro-batch's loss
     backpropagated before the next."""
     micro = [MicroBatch([], ids, attn, mask, "one key", prefix) for ids, attn, mask in micro_batches]
     losses = []
-    for _, logp in shared_prefix_logprobs(model, micro):
-        loss = -logp.sum() / n_tok
-        loss.backward()
-        losses.append(loss.item())
+    with shared_prefix_pass(model) as logprobs:
+        for b in micro:
+            loss = -logprobs(b).sum() / n_tok
+            loss.backward()
+            losses.append(loss.item())
     return losses
 
 

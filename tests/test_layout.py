@@ -139,7 +139,7 @@ def test_every_file_says_what_it_holds_and_the_readme_map_names_it():
 # what the README's house map says a file holds, in its words -> the name that holds it (defined at that file's top)
 HOLDS = {"model loading": "load_model", "chat format": "ChatFormat", "tool-call parsing": "parse_tool_calls",
          "run_episodes": "run_episodes", "micro-batches": "micro_batches", "pi_ref": "reference_policy",
-         "the fast log-prob pass": "shared_prefix_logprobs", "checkpoints": "save_checkpoint",
+         "the fast log-prob pass": "shared_prefix_pass", "checkpoints": "save_checkpoint",
          "users' builder": "user_factory", "scripted users": "ScriptedUser", "no user": "NoUser",
          "the simulated users' interface": "User", "metrics and plots": "plot_panels"}
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 import common
 import rl as rl_module
 from kernels.passes import cut_shared_prefix, micro_batches, reference_policy
-from rl import group_advantages, grpo_loss, grpo_update, has_signal
+from rl import group_advantages, grpo_loss, has_signal
 
 
 def batch_trajectories(trajs, pad_id):
@@ -57,20 +58,21 @@ def test_zero_variance_groups_have_no_signal_and_zero_advantage():
 @pytest.mark.parametrize("first, finished", [([0, 1, 0, 0], [1]), ([1, 1, 0, 1], [2]), ([0, 0, 0, 0], []),
                                              ([0, 0.5, 0, 1], [1, 3]),
                                              ([1, 0, 1, 0], [1, 3])])
-def test_screening_finishes_the_tasks_whose_first_rollout_got_a_rare_reward(first, finished):
+def test_screening_finishes_the_tasks_whose_first_rollout_got_a_rare_reward(first, finished, monkeypatch):
     """--screen 1: a task's group is finished when its first reward differs from the batch's most common one: a
     success among failures, a failure among successes, any shaped value off the mode. A rollout whose simulator
     failed (reward 0, failed) neither counts towards the mode nor finishes its task. A tie goes to the reward seen
     first."""
     calls = []
 
-    def fake_draw(tasks, step, index, trials=None):
+    def fake_draw(sampling, tasks, args, *, step, index, trials=None):
         calls.append(([t.id for t in tasks], trials))
         return [[SimpleNamespace(task_id=t.id, trial=g, failed="user" if t.id == "lost" else None, loss_mask=[1],
                                  reward=0.0 if t.id == "lost" or g else first[int(t.id)]) for g in range(*trials)]
                 for t in tasks]
     ids = [str(i) for i in range(len(first))] + ["lost"]
-    groups = rl_module.screened(fake_draw, SimpleNamespace(screen=1, group_size=4), [SimpleNamespace(id=i) for i in ids],
+    monkeypatch.setattr(rl_module, "sample_draw", fake_draw)
+    groups = rl_module.screened(None, [SimpleNamespace(id=i) for i in ids], SimpleNamespace(screen=1, group_size=4),
                                 step=0, index=0)
     assert calls == [(ids, (0, 1))] + ([([str(i) for i in finished], (1, 4))] if finished else [])
     assert [len(g) for g in groups] == [4 if i in finished else 1 for i in range(len(first))] + [1]
@@ -204,9 +206,15 @@ ARGS = SimpleNamespace(micro_batch=2, mini_batches=1, temperature=1.0, clip=0.2,
                       load_in_4bit=False, kv_budget=0.0, sample_weights="auto")
 
 
-def update(model, opt, trajs, adv, args, **kw):
-    """rl.grpo_update with the device set up from args, as rl.py's main sets it up (common.setup_device)."""
-    return grpo_update(model, opt, trajs, adv, args, setup=common.setup_device(args), **kw)
+def update(model, opt, trajs, adv, args, pad_id=2, seed=0):
+    """rl.grpo_step's update on these rollouts with these advantages: the rollouts handed in as one group (rewards
+    that differ, so it trains), group_advantages giving the advantages given; the mini-batches' seed is `seed`
+    (args.seed 0, step `seed`); the device set up from args, as rl.py's main sets it up. -> the update's sums."""
+    group = [SimpleNamespace(**vars(t), reward=i, failed="") for i, t in enumerate(trajs)]
+    sampling = rl_module.Sampling(None, SimpleNamespace(pad_token_id=pad_id), None)
+    args = SimpleNamespace(**{**vars(args), "seed": 0, "tasks": 1, "rollouts": None})
+    with mock.patch.object(rl_module, "group_advantages", lambda rewards: adv):
+        return rl_module.grpo_step(model, opt, sampling, {}, seed, args, common.setup_device(args), groups=[group]).stats
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
@@ -309,15 +317,17 @@ def test_reference_is_the_frozen_starting_adapter_not_the_base(tmp_path):
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_skipping_the_reference_pass_before_the_first_step_is_exact(tmp_path, mini_batches):
     """Before RL's first optimizer step the policy is its reference, so rl.py skips the reference pass
-    (at_start=not optimizer.state): the update and the logged KL are the ones the pass gives."""
+    (until the optimizer holds a state): the update and the logged KL are the ones the pass gives."""
     trajs, adv = fake_trajs(), torch.tensor([1.0, -1.0, 0.5, -0.5])
     runs = {}
     for skip in (False, True):
         model = sft_policy_and_reference(tmp_path / str(skip))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=1.0)                                   # update = gradient
+        if not skip:                            # a state, as after a step (plain SGD keeps none): the pass is taken
+            opt.state[params[0]]["as if a step was taken"] = True
         st = update(model, opt, trajs, adv, SimpleNamespace(**{**vars(ARGS), "mini_batches": mini_batches}),
-                         pad_id=2, seed=0, at_start=skip)
+                    pad_id=2, seed=0)
         runs[skip] = st, [p.detach().clone() for p in params]
     (st_pass, w_pass), (st_skip, w_skip) = runs[False], runs[True]
     print(st_pass, st_skip)

@@ -8,7 +8,6 @@ check on a real LLM user, counts, resumes and reports what it ran.
 Run:  pytest tests/test_user_check.py            # ~1-2 min on 2 busy cores: the persona sweep is most of it
       pytest tests/test_user_check.py -m slow    # the SFT agent (runs/sft/adapter, or $MUA_RL_SFT_ADAPTER)
 """
-import functools
 import json
 import math
 import os
@@ -227,8 +226,7 @@ def test_a_user_that_never_mends_is_left_out_counted_and_never_scored_as_the_age
     with FaultServer(tasks, breaks={(tasks[1].id, 1): ("early_stop", math.inf)}) as srv:
         trajs = llm_episodes(tok, tasks, srv)
         user = envs.UserFactory("openai:scripted", {"base_url": srv.url, "api_key": "k", "check_retries": 2})
-        drawn, kept, left = rl.sample_groups(functools.partial(rl.sample_draw, rollout.OracleAgent(tok), tok, args,
-                                                               user), {"all": tasks}, 0, args)
+        drawn, left = rl.sample_groups(rl.Sampling(rollout.OracleAgent(tok), tok, user), {"all": tasks}, 0, args)
     broke = trajs[1]
     assert len(trajs) == len(tasks) and [t.failed for t in trajs] == ["", "user_broke", "", ""]
     assert broke.stop_reason == "error" and broke.stats["user_broke"] == "early_stop" and "UserBroke" in broke.stats["error"]
@@ -243,8 +241,7 @@ def test_a_user_that_never_mends_is_left_out_counted_and_never_scored_as_the_age
     with FaultServer(tasks, breaks={(tasks[1].id, 1): ("early_stop", math.inf)}) as srv, \
             pytest.raises(SystemExit) as stop:
         user = envs.UserFactory("openai:scripted", {"base_url": srv.url, "api_key": "k", "check_retries": 2})
-        rl.sample_groups(functools.partial(rl.sample_draw, rollout.OracleAgent(tok), tok, args, user), {"all": tasks},
-                         0, args)
+        rl.sample_groups(rl.Sampling(rollout.OracleAgent(tok), tok, user), {"all": tasks}, 0, args)
     print(stop.value)
     assert str(stop.value).startswith("step 1: 1 of 4 rollouts left out") and "--max-sim-failures 0.2" in str(stop.value)
     assert "early_stop" in str(stop.value) and "\n" not in str(stop.value)

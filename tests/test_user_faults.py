@@ -8,7 +8,6 @@ from a failed user; and a run whose user recovers must be token for token the ru
 Run:  pytest tests/test_user_faults.py            # a few conversations, each fault once (~15 s)
       pytest tests/test_user_faults.py -m slow    # a paper-sized round: 32 tasks x 8 rollouts, 3-s users
 """
-import functools
 import hashlib
 import json
 import time
@@ -130,8 +129,7 @@ def test_server_gone_for_good_every_rollout_is_complete_or_counted_and_rl_stops_
     user = lambda srv: envs.UserFactory("openai:scripted", dict(base_url=srv.url, api_key="k", timeout=2.0,  # noqa
                                                                 max_retries=2))
     with FaultServer(tasks, latency=0.02, restart_after=(25, float("inf"))) as srv:
-        draw = functools.partial(rl.sample_draw, rollout.OracleAgent(tok), tok, args, user(srv))
-        drawn, kept, left = rl.sample_groups(draw, {"all": tasks}, 0, args)
+        drawn, left = rl.sample_groups(rl.Sampling(rollout.OracleAgent(tok), tok, user(srv)), {"all": tasks}, 0, args)
     with open(tmp_path / "rollouts" / "step-000001-draw-0.jsonl") as f:
         trajs = [rollout.Trajectory(**json.loads(line)) for line in f]
     failed = [t for t in trajs if t.failed]
@@ -145,8 +143,7 @@ def test_server_gone_for_good_every_rollout_is_complete_or_counted_and_rl_stops_
 
     args.max_sim_failures = 0.25                                                 # the same server, gone from the start
     with FaultServer(tasks, restart_after=(1, float("inf"))) as srv, pytest.raises(SystemExit) as stop:
-        rl.sample_groups(functools.partial(rl.sample_draw, rollout.OracleAgent(tok), tok, args, user(srv)),
-                         {"all": tasks}, 0, args)
+        rl.sample_groups(rl.Sampling(rollout.OracleAgent(tok), tok, user(srv)), {"all": tasks}, 0, args)
     line = str(stop.value)
     print(line)
     assert "\n" not in line and f"{2 * len(tasks)} of {2 * len(tasks)} rollouts left out" in line

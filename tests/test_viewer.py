@@ -1,7 +1,6 @@
 """scripts/viewer.py: the page parsed back holds exactly each trajectory's tokens (count, mask, the log-prob of each sampled
 token on its own token), the advantages and filtered groups as rl.py recorded them, and escapes what a model wrote.
 Slow: rl.py --smoke and eval.py --smoke, then their pages opened in headless Chromium (no console error, not blank)."""
-import functools
 import json
 import math
 import os
@@ -135,7 +134,7 @@ def write_step(out, drawn_files, drawn, kept, left):
     number of groups kept) and the metrics line of rl.step_metrics."""
     for d, trajs in enumerate(drawn_files):
         rollout.save_trajectories(str(out / "rollouts" / f"step-000001-draw-{d}.jsonl"), trajs)
-    m = rl.step_metrics(0, drawn, kept, left, None, seconds=dict(rollout_s=1.0, train_s=0.0), price=[0, 0])
+    m = rl.step_metrics(0, rl.Step(drawn, kept, left, None, 1.0, 0.0), price=[0, 0])
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
     json.dump({"group_size": 4, "tasks": len(kept)}, open(out / "args.json", "w"))
@@ -206,11 +205,10 @@ def sample_step(out, tok, tasks: int, screen: int):
                            screen=screen, user_workers=1)
     json.dump(vars(args), open(out / "args.json", "w"))
     pools = {"airline": envs.make_tasks("airline", "train", 40, ["easy"], 0)}
-    draw = functools.partial(rl.sample_draw, Mixed(tok), tok, args, envs.UserFactory("scripted"))
-    draw = functools.partial(rl.screened, draw, args) if screen else draw      # as rl.py's main picks it
-    drawn, kept, lost = rl.sample_groups(draw, pools, 0, args)
+    drawn, lost = rl.sample_groups(rl.Sampling(Mixed(tok), tok, envs.UserFactory("scripted")), pools, 0, args)
+    kept = [g for g in drawn if rl.has_signal(g)][:args.tasks]                 # as rl.grpo_step keeps them
     adv = torch.cat([rl.group_advantages(torch.tensor([t.reward for t in g])) for g in kept])
-    m = rl.step_metrics(0, drawn, kept, lost, None, seconds=dict(rollout_s=1.0, train_s=0.0), price=[0, 0])
+    m = rl.step_metrics(0, rl.Step(drawn, kept, lost, None, 1.0, 0.0), price=[0, 0])
     with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps(m) + "\n")
     return drawn, kept, adv, m
