@@ -365,13 +365,13 @@ def ceiling_markdown(ceilings: dict) -> str:
 
 def facts_asked(task, traj) -> float | None:
     """Of the facts the task needs that the user's opening withheld (oracle.withheld), the share the agent's text
-    asked for (users.asked_for: the words the scripted user listens for). None when none was withheld (an easy
+    asked for (users.mentions: the words the scripted user listens for). None when none was withheld (an easy
     task's opening names them all, and --user none gives them all) or the world has no hidden facts (τ²)."""
     if not hasattr(task, "hidden_facts"):
         return None
     missing = oracle.withheld(task, next(m["content"] for m in traj.messages if m["role"] == "user").lower())
     said = " ".join(users.visible_text(m["content"]).lower() for m in traj.messages if m["role"] == "assistant")
-    return sum(users.asked_for(k, said) for k in missing) / len(missing) if missing else None
+    return sum(users.mentions(k, said) for k in missing) / len(missing) if missing else None
 
 
 def save_episodes(path: str, agent: str, trajs):

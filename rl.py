@@ -164,7 +164,7 @@ class Sampling(NamedTuple):
     make_user: object
 
 
-def grpo_step(model, optimizer, sampling: Sampling, pools, step, args, setup, *, groups=None) -> Step:
+def grpo_step(model, optimizer, sampling: Sampling, pools, step, *, args, setup, groups=None) -> Step:
     """One GRPO step, in the paper's order: G conversations of each drawn task with the user in the loop, the groups
     whose rewards differ, their advantages, the log-probs of the three policies, the clipped loss with its KL, an
     AdamW step a mini-batch. setup: the device's decisions (common.setup_device); groups: the step's groups handed
@@ -188,14 +188,16 @@ def grpo_step(model, optimizer, sampling: Sampling, pools, step, args, setup, *,
         precision = setup.precision()             # bf16 autocast, or nothing
         # pi_old sampled the rollouts, and no step has moved it yet: a no-grad pass now gives its log-probs; the first
         # mini-batch's come from its own forward below, taken before any step (its ratio is exactly 1)
-        with torch.no_grad(), precision:
-            olds = [None] + [logprobs_without_grad(model, mini, args, setup.kernel) for mini in minis[1:]]
+        olds = [None]
+        for mini in minis[1:]:
+            with torch.no_grad(), precision, logprob_pass(model, args, setup.kernel) as logprobs:
+                olds.append([logprobs(b) for b in mini])
         stats = dict(kl_sum=0.0, clip_low=0, clip_high=0, tokens=0, grad_norm=0.0, updates=len(minis))
         for mini, old in zip(minis, olds):
-            refs = None
-            if moved:                             # pi_ref, the frozen start (passes.reference_policy)
-                with torch.no_grad(), precision, passes.reference_policy(model):
-                    refs = logprobs_without_grad(model, mini, args, setup.kernel)
+            if moved:                             # pi_ref, the frozen start: a no-grad pass with its adapter
+                with torch.no_grad(), precision, passes.reference_policy(model), \
+                        logprob_pass(model, args, setup.kernel) as logprobs:
+                    refs = [logprobs(b) for b in mini]
             n_tokens, n_seqs = max(1, sum(int(b.mask.sum()) for b in mini)), sum(len(b.rows) for b in mini)
             optimizer.zero_grad(set_to_none=True)
             with precision, logprob_pass(model, args, setup.kernel) as logprobs:
@@ -279,7 +281,7 @@ def screened(sampling: Sampling, tasks, args, *, step, index) -> list[list]:
 
 
 def has_signal(group) -> bool:
-    """A group whose rewards all agree has advantage 0 everywhere: it teaches nothing, and is not trained on."""
+    """Do the group's rewards differ? If not, every advantage is 0: it teaches nothing."""
     return len({t.reward for t in group}) > 1
 
 
@@ -325,20 +327,12 @@ def padded(trajs, rows, pad_id, device) -> passes.MicroBatch:
 
 
 def logprob_pass(model, args, kernel="torch"):
-    """The seam of --logprob-pass: a block inside which logprobs(b) gives micro-batch b's log-probs, (b, T) fp32.
-    plain: plain_logprobs, a forward of the whole rows (the code to read). fast, the default
-    (passes.shared_prefix_pass): each domain's system prompt once, the lm_head in chunks, the same numbers up to
-    rounding; the prefix's own backward runs when a domain's micro-batches end, so each micro-batch's backward must
-    come before the next one's forward. kernel: the device's (common.setup_device)."""
+    """--logprob-pass's seam: a block in which logprobs(b) is micro-batch b's (b, T) fp32 log-probs. plain: a forward
+    of whole rows; fast (passes.shared_prefix_pass): a domain's system prompt once, each backward before the next
+    forward."""
     if args.logprob_pass == "plain":
         return contextlib.nullcontext(lambda b: plain_logprobs(model, b, args.temperature))
     return passes.shared_prefix_pass(model, args.temperature, impl=kernel)
-
-
-def logprobs_without_grad(model, mini, args, kernel) -> list:
-    """A no-grad pass over a mini-batch: each micro-batch's log-probs (b, T), pi_old's or, as the reference, pi_ref's."""
-    with logprob_pass(model, args, kernel) as logprobs:
-        return [logprobs(b) for b in mini]
 
 
 def plain_logprobs(model, b, temperature):
@@ -411,7 +405,8 @@ def main(argv=None):
         log(args, metrics, dict(step=0, **heldout_pass1(model, tok, heldout, args, setup)), tracker)
     for step in range(start, args.steps):
         t0 = time.time()
-        m = step_metrics(step, grpo_step(model, optimizer, sampling, pools, step, args, setup), args.user_price)
+        m = step_metrics(step, grpo_step(model, optimizer, sampling, pools, step, args=args, setup=setup),
+                         args.user_price)
         if args.eval_every and (step + 1) % args.eval_every == 0:     # the held-out curve
             m.update(heldout_pass1(model, tok, heldout, args, setup))
         log(args, metrics, m | dict(s_per_step=time.time() - t0), tracker)

@@ -108,10 +108,8 @@ def load_model(name: str = DEFAULT_MODEL, load_in_4bit: bool = False):
 
 
 def add_lora(model, r: int, alpha: int, dropout: float = 0.0):
-    """Wrap model in a LoRA PeftModel on all linear projections (attention and MLP); the base is frozen.
-    No peft.prepare_model_for_kbit_training for 4-bit models: it casts every parameter that is not 4-bit
-    (embeddings, lm_head, norms) to fp32, 2.3 GiB more for Qwen3-8B's embeddings and lm_head and an
-    fp32 residual stream; bf16 compute needs neither."""
+    """LoRA on every linear projection, the base frozen. No prepare_model_for_kbit_training: its fp32 casts cost
+    Qwen3-8B 2.3 GiB."""
     from peft import LoraConfig, get_peft_model
     with _peft_reads_a_deprecated_property():
         return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
@@ -150,8 +148,7 @@ def load_policy(model, init: str, ref_dir: str, r: int, alpha: int, *, resuming:
 
 @contextlib.contextmanager
 def _peft_reads_a_deprecated_property():
-    """peft 0.21's PeftModel() reads transformers' is_gradient_checkpointing, which warns (FutureWarning) on
-    every run; that one warning, around that one call, is not ours to act on."""
+    """Silences the FutureWarning peft 0.21 triggers in transformers on every run, not ours to act on."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
@@ -479,8 +476,7 @@ def agent_turn(conv, new_ids, new_lp, fmt, tokenizer) -> bool:
 
 
 def left_out(traj, error):
-    """End a rollout whose user wrote no message (an LLM user's UserSimulatorError: its simulator failed, or it broke
-    the check): left out, never scored as the agent's; its stats keep the error."""
+    """End a rollout whose LLM user wrote no message: left out, never scored as the agent's."""
     traj.stop_reason, traj.failed, traj.stats["error"] = "error", error.failed, f"{type(error).__name__}: {error}"
 
 

@@ -199,7 +199,7 @@ def make_data(args, tokenizer) -> list[dict]:
 
 # ----------------------------------------------------------------------------- SFT pieces
 
-def backward_batch(model, batch: list[dict], args, pad: int, n_tok: int, kernel: str = "torch") -> float:
+def backward_batch(model, batch: list[dict], args, *, pad: int, n_tok: int, kernel: str = "torch") -> float:
     """Accumulate the gradient of sum(-log p over loss_mask tokens) / n_tok for a batch; -> the loss.
     Rows of one domain share their system prompt (~1.8k of ~2.7k tokens): with --share-prefix on it
     goes through the model once for the group (kernels/passes.py: cut_shared_prefix, shared_prefix_pass; exact).
@@ -278,7 +278,7 @@ def train(args, model, tokenizer, rows: list[dict]):
         t0 = time.time()
         batch = batch_rows(rows, step, args.batch_size, args.seed)
         n_tok = sum(sum(r["loss_mask"][:args.max_len]) for r in batch)   # normaliser for the whole batch
-        loss_sum = backward_batch(model, batch, args, tokenizer.pad_token_id, n_tok, kernel)
+        loss_sum = backward_batch(model, batch, args, pad=tokenizer.pad_token_id, n_tok=n_tok, kernel=kernel)
         seen = sum(min(len(r["token_ids"]), args.max_len) for r in batch)
         gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         lr = sched.get_last_lr()[0]

@@ -72,18 +72,13 @@ REPORTS_DONE = re.compile(r"\b(done|complete|completed|all set|has been|have bee
 
 
 def asks_confirmation(text: str) -> bool:
-    """Does this agent message ask the user to confirm or approve something? (what the scripted user reads
-    as a confirmation request; eval.py counts writes made after one)"""
+    """Does this agent message ask for a confirmation?"""
     return bool(_ASKS_CONFIRM.search(text))
 
 
 def mentions(key: str, text: str) -> bool:
-    """Does this agent text use a word for fact `key` (FACT_KEYWORDS[key])? A mention, asked or not: a scripted user
-    gives the facts a message mentions; only a request asks for them (asks_for)."""
+    """Does this agent text use a word for fact `key`, asked or not (a request: asks_for)?"""
     return any(re.search(r"\b" + re.escape(w), text.lower()) for w in FACT_KEYWORDS[key])
-
-
-asked_for = mentions   # eval.py's old name (eval.py:374, facts_asked); goes once that line says users.mentions
 
 
 def mentioned_facts(task, text: str) -> list[str]:
@@ -101,9 +96,8 @@ _REQUESTS = re.compile(r"\?|\b(please|provide|give|tell|share|need|let me know|c
 
 
 def asks_for(task, text: str) -> list[str]:
-    """The facts of task an agent message (its visible text) asks for: those it mentions, in a message that asks
-    something (a question mark, or please, give, tell, ...: "Done: order id #W1 cancelled." asks for nothing). A
-    request to confirm a change asks for none: a user answers that request, nothing more."""
+    """The facts an agent message mentions, if it makes a request that is not a confirmation ("Done: order id #W1
+    cancelled." asks for nothing)."""
     if asks_confirmation(text) or not _REQUESTS.search(text):
         return []
     return mentioned_facts(task, text)
@@ -410,7 +404,7 @@ class ScriptedUser(User):
         return all_said or bool(REFUSES.search(said[-1] if said else ""))
 
     def _asked_to_confirm(self, last: str) -> bool:
-        """The last message asks it to approve a write it has not approved yet."""
+        """Is it asked to approve a write not yet approved?"""
         return asks_confirmation(last) and not all(self.confirmed)
 
     # ---- the rules' actions
@@ -622,12 +616,9 @@ USER_WORKERS = 256
 
 
 def ask_users(calls: list, workers: int) -> list:
-    """Call each of calls (a user writing its next message), all at once up to `workers` when workers > 1: an
-    LLM user waits on the network, and a round at paper scale asks 256 of them, so the round should wait on its
-    slowest user, not on a queue (--user-workers, default 256). workers 1: one after another, in order (a
-    scripted user: the same tokens every run). -> the messages in order, a UserSimulatorError in place of a message
-    that failed (an LLM user, after the client's retries). Any other exception is a bug of ours (a scripted user's, a
-    check's) and stops the run with its traceback: it is never a left-out rollout."""
+    """A round's users write their messages: up to `workers` at once (LLM users wait on the network), or in order
+    when workers is 1. -> the messages in order; a UserSimulatorError stands in for a failed one, any other
+    exception is our bug and stops the run."""
     def call(fn):
         try:
             return fn()

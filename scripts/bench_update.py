@@ -54,7 +54,8 @@ def bench_update(args, rows=4, prefix=1644, own=990):
         way = SimpleNamespace(**{**vars(args), "train_bf16": bf16, "tasks": len(groups), "seed": 0, "rollouts": None})
         if skip:
             opt.state.clear()
-        rl.grpo_step(model, opt, rl.Sampling(None, tok, None), {}, 0, way, common.setup_device(way), groups=groups)
+        rl.grpo_step(model, opt, rl.Sampling(None, tok, None), {}, 0, args=way, setup=common.setup_device(way),
+                     groups=groups)
     update("off", True)                                    # the untimed warm-up, once without a state, once with
     update("off", False)
     base = None
@@ -76,7 +77,7 @@ def bench_sft(args):
     print(f"bench-sft: {len(rows)} conversations, {sum(len(r['token_ids']) for r in rows)} tokens ({n_tok} trained), "
           f"shared prefix {passes.shared_prefix_len([r['token_ids'] for r in rows], [r['loss_mask'] for r in rows])} "
           f"tokens, {harness.machine()}")
-    measured = {}
+    measured, kernel = {}, common.logprob_kernel()
     for name, share, ckpt in (("prompt per conversation, activation checkpointing", "off", "on"),  # lowest memory first
                               ("prompt once per batch", "on", "off"), ("prompt per conversation", "off", "off")):
         if ckpt == "on":
@@ -86,7 +87,7 @@ def bench_sft(args):
         mode = SimpleNamespace(**{**vars(args), "share_prefix": share, "grad_checkpointing": ckpt})
 
         def one_pass():
-            loss = sft.backward_batch(model, rows, mode, tokenizer.pad_token_id, n_tok)
+            loss = sft.backward_batch(model, rows, mode, pad=tokenizer.pad_token_id, n_tok=n_tok, kernel=kernel)
             model.zero_grad(set_to_none=True)
             return loss
         with harness.PeakMemory() as mem:
@@ -158,11 +159,13 @@ def memory_check(config=None, seq_len=8192, n_seq=8, device="cuda", model=None):
     args = SimpleNamespace(micro_batch=1, mini_batches=1, temperature=1.0, clip=0.2, kl_coef=0.001, max_grad_norm=1.0,
                            grad_checkpointing="on", loss_agg="token-mean", train_bf16="off", logprob_pass="fast",
                            tasks=len(groups), seed=0, rollouts=None)
-    setup = common.Device(contextlib.nullcontext, checkpointing=True, sampler={})   # the memory check's own
+    setup = common.Device(contextlib.nullcontext, checkpointing=True, sampler={},   # the memory check's own
+                          kernel=common.logprob_kernel())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    sampling = rl.Sampling(None, SimpleNamespace(pad_token_id=0), None)
     with harness.PeakMemory(cuda) as mem:     # on a GPU, what is allocated at entry is the weights
-        seconds, done = harness.timed(lambda: rl.grpo_step(model, opt, rl.Sampling(None, SimpleNamespace(pad_token_id=0),
-                                                                                   None), {}, 0, args, setup, groups=groups))
+        seconds, done = harness.timed(lambda: rl.grpo_step(model, opt, sampling, {}, 0, args=args, setup=setup,
+                                                           groups=groups))
     st = done.stats
     weights_gib = mem.base / 2**30 if cuda else \
         sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**30

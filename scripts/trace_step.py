@@ -6,12 +6,12 @@
 The trace is on only while the step's own work runs: rl.sample_groups (a --smoke sampling step: one task, two
 conversations of one agent turn, a tiny random Llama with the default model's tokenizer), then rl.grpo_step on
 those two rollouts handed in, their rewards set to 1 and 0 so the group teaches (older commits: group_advantages
-and grpo_update). It counts the
-distinct lines executed and the distinct functions entered in this repository's files, and prints them per file:
-the step's own code first, then the world's (envs/, users.py: the tasks, tools and users it talks to). Functions
-are named ones (a comprehension or a lambda is part of the function it sits in); a line is every source line of
-a statement run (a call written over three lines is three) and the def line of a function entered; the update takes
-the CPU preset's two mini-batches. Loading, logging and checkpoints are outside the trace.
+and grpo_update, while main held the lines between them). It counts the distinct lines executed and the distinct
+functions entered in this repository's files, and prints them per file: the step's own code first, then the
+world's (envs/, users.py: the tasks, tools and users it talks to). Functions are named ones (a comprehension or a
+lambda is part of the function it sits in); a line is every source line of a statement run (a call written over
+three lines is three) and the def line of a function entered; the update takes the CPU preset's two mini-batches.
+Loading, logging and checkpoints are outside the trace.
 
 It runs on the code before the step was made plain too (copy it into a clone at c450feb): docs/results.md gives
 both counts.
@@ -117,7 +117,7 @@ def main(argv=None):
         for t, r in zip(trajs, (1.0, 0.0)):
             t.reward = r
         optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
-        trace.run(rl.grpo_step, model, optimizer, sampling, pools, 0, args, rl.common.setup_device(args),
+        trace.run(rl.grpo_step, model, optimizer, sampling, pools, 0, args=args, setup=rl.common.setup_device(args),
                   groups=[trajs])
         report(trace)
         return

@@ -214,7 +214,8 @@ def update(model, opt, trajs, adv, args, pad_id=2, seed=0):
     sampling = rl_module.Sampling(None, SimpleNamespace(pad_token_id=pad_id), None)
     args = SimpleNamespace(**{**vars(args), "seed": 0, "tasks": 1, "rollouts": None})
     with mock.patch.object(rl_module, "group_advantages", lambda rewards: adv):
-        return rl_module.grpo_step(model, opt, sampling, {}, seed, args, common.setup_device(args), groups=[group]).stats
+        return rl_module.grpo_step(model, opt, sampling, {}, seed, args=args, setup=common.setup_device(args),
+                                   groups=[group]).stats
 
 
 def test_kl_is_zero_when_policy_equals_reference_then_positive_after_update():
