@@ -157,8 +157,8 @@ class Step(NamedTuple):
 
 
 class Sampling(NamedTuple):
-    """What sampling a conversation takes: the policy as a sampler (sampler.make_agent: the plain sampler or the fast
-    one, the same tokens), its tokenizer, and the factory of each conversation's simulated user (common.user_factory)."""
+    """What sampling takes: the policy as a sampler (sampler.make_agent: plain or fast, the same tokens), its
+    tokenizer, and the factory of each conversation's simulated user (common.user_factory)."""
     agent: object
     tok: object
     make_user: object

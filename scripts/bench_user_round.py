@@ -2,7 +2,7 @@
 
 What: rl.py's sampling step (rl.sample_groups: 32 tasks x 8 rollouts, failed rollouts left out, the stop past
 --max-sim-failures) with the gold agent as the policy (rollout.OracleAgent: no model needed) and an
-openai:MODEL user (users.OpenAIUser) talking to tests/fault_server.py, an OpenAI-compatible server on 127.0.0.1
+openai:MODEL user (envs/llm_users.OpenAIUser) talking to tests/fault_server.py, an OpenAI-compatible server on 127.0.0.1
 that answers as the scripted user after a latency and injects faults. Each run prints one row: wall time, the
 time the round waited on users against the ideal (user rounds x latency), requests and retries, rollouts that
 lost their simulator, and the step's outcome (rewards, or rl.py's one-line stop).

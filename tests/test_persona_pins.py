@@ -1,5 +1,5 @@
 """The named personas, word for word: every reply each of users.PERSONAS gives in a fixed set of conversations, pinned
-in tests/data/persona_pins.json. The file was written before the personas became rows of behaviours (users.BEHAVIOURS),
+in tests/data/persona_pins.json. The file was written before the personas became rows of behaviours (users.Behaviour),
 from the classes they were, so every earlier result (the claims grid, attempts 1 and 2) still reproduces: a named
 persona must say exactly what it said then, to the character.
 

@@ -269,7 +269,7 @@ def test_an_evaluation_leaves_out_a_broken_users_task_and_stops_past_max_sim_fai
 
 def test_a_re_ask_sends_the_flagged_message_the_correction_and_a_seeded_higher_temperature():
     """What OpenAIUser.ask_again sends: the chat, then its flagged message and the reason's correction; temperature
-    users.AGAIN_TEMPERATURE and the attempt as the seed (a reproducible draw, not the same greedy answer)."""
+    llm_users.AGAIN_TEMPERATURE and the attempt as the seed (a reproducible draw, not the same greedy answer)."""
     with FakeServer("ok") as srv:
         user = L.OpenAIUser(ORDER, "m", base_url=srv.url, api_key="k", timeout=2.0)
         user.ask_again(view(CONFIRM), "Yes. ###STOP###", "early_stop", 2)
