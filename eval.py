@@ -14,9 +14,9 @@ What it does
      had given (repeated_questions); per agent and domain, and any of them can be
      the paired comparison's metric (--paired-metric). Under several users (--user scripted,none) every agent
      meets each, and a grid of agents x users shows the metric: the 2 x 2 of trained with / without a user
-     against evaluated with / without one (the claims experiment, docs/results.md). Under each rule-based user (scripted, its
-     personas, none) the gold agent's own metrics stand beside them as the "ceiling": what the limits let a careful
-     agent reach (eval.ceiling).
+     against evaluated with / without one (the claims experiment, docs/results.md). Under each rule-based user
+     (scripted, its personas, none) the gold agent's own metrics stand beside them as the "ceiling": what the
+     limits let a careful agent reach (eval.ceiling).
   4. Failure analysis: every failed episode's DB diff goes to failures.jsonl; failed tasks are re-run
      with another user seed and flagged `user_sim_suspect` if they then succeed (tau2-bench found
      user-simulator errors behind up to 30% of retail failures).

@@ -50,7 +50,7 @@ def bench_update(args, rows=4, prefix=1644, own=990):
     print(f"bench-update: {rows} rows of {prefix} shared + {own} own tokens, micro-batch {args.micro_batch}, "
           f"{harness.machine()}")
 
-    def update(bf16: str, skip: bool):      # skip: an optimizer with no state yet, as at the first step: no reference pass
+    def update(bf16: str, skip: bool):      # skip: no optimizer state yet, as at the first step: no reference pass
         way = SimpleNamespace(**{**vars(args), "train_bf16": bf16, "tasks": len(groups), "seed": 0, "rollouts": None})
         if skip:
             opt.state.clear()

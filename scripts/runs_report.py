@@ -138,7 +138,8 @@ def show(c):
     s = (f"{c['diff']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}], P(improvement) {c['poi']:.2f} "
          f"[{c['poi_ci'][0]:.2f}, {c['poi_ci'][1]:.2f}]")
     if "per_run" in c:
-        s += (f"; t-interval [{c['t'][0]:+.3f}, {c['t'][1]:+.3f}]; each run {', '.join(f'{d:+.3f}' for d in c['per_run'])}"
+        each = ", ".join(f"{d:+.3f}" for d in c["per_run"])
+        s += (f"; t-interval [{c['t'][0]:+.3f}, {c['t'][1]:+.3f}]; each run {each}"
               f"; {c['below']} of {len(c['per_run'])} below the cold start")
     return s
 
@@ -159,7 +160,8 @@ def steps_of(out, run) -> None:
         asked = m.get("repeated_questions")
         print(f"  step {m['step']}: reward {m['reward']:.3f}, groups with signal {m['groups_varied']} of "
               f"{m['groups_drawn']}, kl {m['kl'] if m['kl'] is None else format(m['kl'], '.5f')}, asked again "
-              f"{'-' if asked is None else format(asked, '.2f')}, {m['s_per_step']:.0f} s" + (f"; curve {curve}" if curve else ""))
+              f"{'-' if asked is None else format(asked, '.2f')}, {m['s_per_step']:.0f} s"
+              + (f"; curve {curve}" if curve else ""))
 
 
 def at_step_k(out, k=K) -> tuple[dict, dict]:
@@ -174,7 +176,8 @@ def at_step_k(out, k=K) -> tuple[dict, dict]:
         tasks = sorted(per_agent[cold])
         M = {arm: matrix(per_agent, labels, tasks) for arm, labels in runs.items() if labels}
         S = matrix(per_agent, [cold], tasks)
-        print(f"\n{title}: pass^1 of each agent at step {k} on {len(tasks)} tasks (questions asked again a conversation)")
+        print(f"\n{title}: pass^1 of each agent at step {k} on {len(tasks)} tasks "
+              "(questions asked again a conversation)")
         print("| agent | pass^1 | asked again |\n|---|---|---|")
         for label in [cold] + [a for arm in ARMS for a in runs[arm]]:
             print(f"| {label} | {np.nanmean(matrix(per_agent, [label], tasks)):.3f} | "
@@ -263,7 +266,7 @@ def sampled(out, k=K, later=LATER) -> dict:
     every = lambda kept: float(all(v >= 1 for v in kept))       # noqa: E731; pass^n of a task: every trial solved
     result = {}
     print(f"\nsampled at the training temperature, {n} trials a task, {POPULATION.split(' (')[0]}:")
-    for name, reduce in ((f"pass^1", None), (f"pass^{n}", every)):
+    for name, reduce in (("pass^1", None), (f"pass^{n}", every)):
         S = matrix(per_agent, [cold], tasks, reduce)
         result[name] = {"cold": float(np.nanmean(S))}
         print(f"  {name}: cold start {np.nanmean(S):.3f}")

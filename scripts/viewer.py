@@ -110,7 +110,7 @@ def read_rl(run_dir: str) -> tuple[list, list]:
 
 def group_records(groups: list, cap) -> list:
     """What rl.py did with a step's groups (in draw order), recomputed from the rollouts as rl.sample_groups and
-    main do it: a group's rollouts that lost their simulator are left out; of the groups whose rewards differ
+    rl.grpo_step do it: a group's rollouts that lost their simulator are left out; of the groups whose rewards differ
     (rl.has_signal) the first --tasks are trained, with advantages rl.group_advantages. -> a record a group (its
     trials, rewards, trained, advantages or why it was filtered), None for a group with no rollout left."""
     out, trained = [], 0

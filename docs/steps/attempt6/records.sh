@@ -16,7 +16,7 @@ for s in 20 21 22 23; do
     cp "$src/$run/rl/args.json" "$dst/$run/rl_args.json"
     [ -f "$src/$run/rl/metrics.jsonl" ] && cp "$src/$run/rl/metrics.jsonl" "$dst/$run/rl_metrics.jsonl"
     [ -f "$ARMS/cpu-$run.txt" ] && cp "$ARMS/cpu-$run.txt" "$dst/$run/cpu.txt"
-    for t in "$src/$run/rl"/time-to-step-*.txt; do [ -s "$t" ] && cp "$t" "$dst/$run/"; done   # written when its process ends
+    for t in "$src/$run/rl"/time-to-step-*.txt; do [ -s "$t" ] && cp "$t" "$dst/$run/"; done   # once written
     if compgen -G "$src/$run/step-*" > /dev/null; then
       (cd "$src/$run" && sha256sum step-*/adapter_model.safetensors) > "$dst/$run/adapters.sha256"
     fi
