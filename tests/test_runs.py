@@ -1,6 +1,6 @@
 """scripts/runs.sh, the experiment runner (docs/steps_preregistration.md, "The sixth attempt"), and
 scripts/runs_report.py, its report: the statistics on hand-made numbers, the bar at its edges, the picture, and the
-whole recipe in --smoke form on a tiny Qwen3 (-m slow)."""
+whole recipe in --smoke form on a tiny Qwen3 (-m slow); scripts/habits.py, the habits read from the conversations."""
 import json
 import os
 import shutil
@@ -13,6 +13,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
+import habits  # noqa: E402
 import runs_report as rr  # noqa: E402
 
 
@@ -65,6 +66,48 @@ def test_the_picture_draws_step_k_alone_and_with_the_later_steps_and_the_sampled
 
 
 @pytest.mark.slow      # the recipe: a real rl.py run, four evaluation folders and the report, ~1-2 min
+def conversation(reward, *turns):
+    """A saved conversation: turns are (role, text) or ("call", name, {argument: value}); tool errors counted."""
+    msgs = [{"role": "system", "content": "Tools: get_order_details(order_id)."}]
+    for t in turns:
+        msgs.append({"role": "assistant", "content": "<tool_call>...</tool_call>", "tool_calls": [
+            {"name": t[1], "arguments": t[2]}]} if t[0] == "call" else {"role": t[0], "content": t[1]})
+    errors = sum(m["role"] == "tool" and m["content"].startswith("Error") for m in msgs)
+    return {"messages": msgs, "reward": reward, "stats": {"tool_errors": errors}}
+
+
+def test_habits_count_asking_once_made_up_ids_and_claimed_success_a_row_a_step_or_agent(tmp_path, capsys):
+    """scripts/habits.py on hand-made conversations: one that asks only in its first message, then calls with an id
+    nobody gave ("order_id", which only the system prompt shows) and ends "Done" unsolved; one that asks twice and
+    calls with the id the user gave, solved. A row a step from rollouts/, a row an agent from episodes_*.jsonl; a
+    folder with neither is one line and exit 2."""
+    once = conversation(0.0, ("user", "Hi, change my order."), ("assistant", "Please give me your order id."),
+                        ("user", "It is #W12."), ("call", "get_order_details", {"order_id": "order_id"}),
+                        ("tool", "Error: order not found"), ("assistant", "Done: your order is changed."))
+    twice = conversation(1.0, ("user", "Hi."), ("assistant", "Could you tell me your email?"),
+                         ("user", "a@b.c"), ("assistant", "Thanks. Which order id, please?"), ("user", "#W12"),
+                         ("call", "get_order_details", {"order_id": "#W12"}), ("tool", "{\"status\": \"pending\"}"))
+    h = habits.habits([once, twice])
+    assert h == {"convs": 2, "solved": 0.5, "asks": 1.5, "asks_once": 0.5, "made_up": 0.5, "tool_errors": 0.5,
+                 "says_done": 1.0}
+    assert habits.made_up_calls(twice["messages"]) == 0 and habits.made_up_calls(once["messages"]) == 1
+    (tmp_path / "rl" / "rollouts").mkdir(parents=True)
+    for step, convs in ((1, [twice]), (2, [once, twice]), (10, [once])):
+        (tmp_path / "rl" / "rollouts" / f"step-{step:06d}-draw-0.jsonl").write_text(
+            "".join(json.dumps(c) + "\n" for c in convs))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "episodes_sft.jsonl").write_text(json.dumps(twice) + "\n")
+    habits.main([str(tmp_path / "rl")])
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [r[:3] for r in rows[1:]] == [["step 1", "1", "1.000"], ["step 2", "2", "0.500"], ["step 10", "1", "0.000"]]
+    assert rows[0][3:] == ["asks", "asks_once", "made_up", "tool_errors", "says_done"] and rows[3][4:6] == ["1.000"] * 2
+    habits.main([str(tmp_path / "eval")])
+    assert capsys.readouterr().out.splitlines()[1].split("\t")[:2] == ["sft", "1"]
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "habits.py"), str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not r.stdout
+
+
 def test_the_runner_trains_publishes_evaluates_each_agent_with_its_cpu_and_the_report_reads_it_all(tmp_path):
     """scripts/runs.sh in --smoke form on a tiny Qwen3 (K = 2, the broad runs on to 3), seeds 20 and 21: RUNS= trains
     only the run it names, for real, and evaluates nothing; then every run (the others' checkpoints already there:
