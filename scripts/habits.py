@@ -9,7 +9,8 @@ One row per step of an rl.py run (its rollouts/step-*.jsonl), or per agent of an
     asks_once    of the conversations where it asks at all, the share where it asks only in its first message
     made_up      tool calls a conversation with an id or an email that no user or tool message had shown it
                  (an argument named *_id, *_ids or email): a placeholder such as "order_id", or a guess
-    tool_errors  tool errors a conversation
+    tool_errors  tool calls a conversation that the tool answered with an error
+    malformed    agent messages a conversation with a tool call that would not parse (not valid JSON, say)
     says_done    of the unsolved conversations, the share whose last agent message starts with "Done"
 
 Run:
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import users  # noqa: E402
 
 ANY_FACT = types.SimpleNamespace(hidden_facts=dict.fromkeys(users.FACT_KEYWORDS))   # asks_for: a request for any fact
-COLUMNS = ("convs", "solved", "asks", "asks_once", "made_up", "tool_errors", "says_done")
+COLUMNS = ("convs", "solved", "asks", "asks_once", "made_up", "tool_errors", "malformed", "says_done")
 
 
 def conversations(run_dir: str) -> dict:
@@ -75,6 +76,7 @@ def habits(convs: list[dict]) -> dict:
     mean = (lambda xs: sum(xs) / len(xs) if xs else float("nan"))
     return {"convs": n, "solved": mean([c["reward"] for c in convs]), "asks": mean(asks), "asks_once": mean(once),
             "made_up": mean(made_up), "tool_errors": mean([c["stats"].get("tool_errors", 0) for c in convs]),
+            "malformed": mean([c["stats"].get("malformed_calls", 0) for c in convs]),
             "says_done": done / unsolved if unsolved else float("nan")}
 
 

@@ -67,13 +67,16 @@ def test_the_picture_draws_step_k_alone_and_with_the_later_steps_and_the_sampled
 
 @pytest.mark.slow      # the recipe: a real rl.py run, four evaluation folders and the report, ~1-2 min
 def conversation(reward, *turns):
-    """A saved conversation: turns are (role, text) or ("call", name, {argument: value}); tool errors counted."""
+    """A saved conversation: turns are (role, text) or ("call", name, {argument: value}); tool errors counted, and
+    a malformed call is a tool message "Error: tool call is not valid JSON"."""
     msgs = [{"role": "system", "content": "Tools: get_order_details(order_id)."}]
     for t in turns:
         msgs.append({"role": "assistant", "content": "<tool_call>...</tool_call>", "tool_calls": [
             {"name": t[1], "arguments": t[2]}]} if t[0] == "call" else {"role": t[0], "content": t[1]})
-    errors = sum(m["role"] == "tool" and m["content"].startswith("Error") for m in msgs)
-    return {"messages": msgs, "reward": reward, "stats": {"tool_errors": errors}}
+    errors = [m["content"] for m in msgs if m["role"] == "tool" and m["content"].startswith("Error")]
+    malformed = sum("not valid JSON" in e for e in errors)
+    return {"messages": msgs, "reward": reward, "stats": {"tool_errors": len(errors) - malformed,
+                                                          "malformed_calls": malformed}}
 
 
 def test_habits_count_asking_once_made_up_ids_and_claimed_success_a_row_a_step_or_agent(tmp_path, capsys):
@@ -83,13 +86,14 @@ def test_habits_count_asking_once_made_up_ids_and_claimed_success_a_row_a_step_o
     folder with neither is one line and exit 2."""
     once = conversation(0.0, ("user", "Hi, change my order."), ("assistant", "Please give me your order id."),
                         ("user", "It is #W12."), ("call", "get_order_details", {"order_id": "order_id"}),
-                        ("tool", "Error: order not found"), ("assistant", "Done: your order is changed."))
+                        ("tool", "Error: order not found"), ("assistant", "<tool_call>{\"name\": }</tool_call>"),
+                        ("tool", "Error: tool call is not valid JSON"), ("assistant", "Done: your order is changed."))
     twice = conversation(1.0, ("user", "Hi."), ("assistant", "Could you tell me your email?"),
                          ("user", "a@b.c"), ("assistant", "Thanks. Which order id, please?"), ("user", "#W12"),
                          ("call", "get_order_details", {"order_id": "#W12"}), ("tool", "{\"status\": \"pending\"}"))
     h = habits.habits([once, twice])
     assert h == {"convs": 2, "solved": 0.5, "asks": 1.5, "asks_once": 0.5, "made_up": 0.5, "tool_errors": 0.5,
-                 "says_done": 1.0}
+                 "malformed": 0.5, "says_done": 1.0}
     assert habits.made_up_calls(twice["messages"]) == 0 and habits.made_up_calls(once["messages"]) == 1
     (tmp_path / "rl" / "rollouts").mkdir(parents=True)
     for step, convs in ((1, [twice]), (2, [once, twice]), (10, [once])):
@@ -100,7 +104,7 @@ def test_habits_count_asking_once_made_up_ids_and_claimed_success_a_row_a_step_o
     habits.main([str(tmp_path / "rl")])
     rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert [r[:3] for r in rows[1:]] == [["step 1", "1", "1.000"], ["step 2", "2", "0.500"], ["step 10", "1", "0.000"]]
-    assert rows[0][3:] == ["asks", "asks_once", "made_up", "tool_errors", "says_done"] and rows[3][4:6] == ["1.000"] * 2
+    assert rows[0][3:] == ["asks", "asks_once", "made_up", "tool_errors", "malformed", "says_done"] and rows[3][4:6] == ["1.000"] * 2
     habits.main([str(tmp_path / "eval")])
     assert capsys.readouterr().out.splitlines()[1].split("\t")[:2] == ["sft", "1"]
     r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "habits.py"), str(tmp_path)],
