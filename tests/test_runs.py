@@ -65,7 +65,6 @@ def test_the_picture_draws_step_k_alone_and_with_the_later_steps_and_the_sampled
         assert path.stat().st_size > 1000
 
 
-@pytest.mark.slow      # the recipe: a real rl.py run, four evaluation folders and the report, ~1-2 min
 def conversation(reward, *turns):
     """A saved conversation: turns are (role, text) or ("call", name, {argument: value}); tool errors counted, and
     a malformed call is a tool message "Error: tool call is not valid JSON"."""
@@ -112,6 +111,7 @@ def test_habits_count_asking_once_made_up_ids_and_claimed_success_a_row_a_step_o
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not r.stdout
 
 
+@pytest.mark.slow      # the recipe: a real rl.py run, four evaluation folders and the report, ~1-2 min
 def test_the_runner_trains_publishes_evaluates_each_agent_with_its_cpu_and_the_report_reads_it_all(tmp_path):
     """scripts/runs.sh in --smoke form on a tiny Qwen3 (K = 2, the broad runs on to 3), seeds 20 and 21: RUNS= trains
     only the run it names, for real, and evaluates nothing; then every run (the others' checkpoints already there:
