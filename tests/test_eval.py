@@ -130,7 +130,7 @@ def test_the_ceiling_is_the_gold_agents_score_under_each_user_at_the_evals_limit
     under every persona; at a cap below its longest episode it cannot, and the ceiling says so; an LLM user has none."""
     import argparse
     import envs
-    tasks = [t for d in envs.DOMAINS for t in envs.make_tasks(d, "test", 3, ["medium"])]
+    tasks = [t for d in envs.WORLDS["ours"].domains for t in envs.make_tasks(d, "test", 3, ["medium"])]
     args = argparse.Namespace(trials=2, seed=0, max_turns=20, max_context=8192)
     for user in ("scripted", "scripted:curious", "scripted:train", "none"):
         c = ev.ceiling(tok, tasks, user, args)
