@@ -297,6 +297,7 @@ def test_gold_episode_is_run_episodes_on_messages():
             assert gold_episode(task, f"scripted:{name}", seed)[:3] == (t.reward, t.turns, t.stop_reason), (name, task.id)
 
 
+@pytest.mark.slow      # a sweep: 30 tasks a persona x domain x tier, ~17 s alone
 def test_the_gold_agent_solves_every_persona_with_slack():
     """pass^1 = 1 on N_TASKS held-out tasks of each persona x domain x tier (easy, medium), every episode ended by
     the user, no fact used before it was told, and 1.5 x the longest episode within CAP. The longest episodes are what the turn caps are set from."""
@@ -328,6 +329,7 @@ def row_spec(b):
     return "scripted:" + "/".join(f"{axis}={value}" for axis, value in b._asdict().items())
 
 
+@pytest.mark.slow      # a sweep over every row, ~30 s alone
 def test_the_gold_agent_solves_the_whole_training_population_with_slack():
     """Every row of scripted:population on EASY_MEDIUM tasks of each domain x tier (the fast loop above): solved,
     ended by the user, nothing used before it was told, and 1.5 x the longest episode within CAP."""
@@ -346,6 +348,7 @@ def test_the_gold_agent_solves_the_whole_training_population_with_slack():
     assert 1.5 * longest <= CAP
 
 
+@pytest.mark.slow      # a sweep through the real loop, ~23 s alone
 def test_the_cpu_presets_limits_leave_the_gold_agent_slack_on_their_tasks():
     """The CPU presets' episode limits (common.CPU_LIMITS, on common.CPU_TIERS) are set from the gold agent: through
     the real loop, at those limits, it solves N_TASKS held-out tasks of each persona x domain, and POPULATION_DRAWS

@@ -755,6 +755,7 @@ def results_table_commands() -> list[str]:
     return re.findall(r"^\|[^|\n]*\| `(python (?:sft|rl)\.py[^`]*)`[^|\n]*\|", results, re.M)
 
 
+@pytest.mark.slow      # three trainings in subprocesses and a refusal: most of a minute
 def test_every_results_table_command_trains_into_its_own_folder(tmp_path, tiny_model_dir):
     """The README's results table, copied in order into a fresh folder as a newcomer would (each in --smoke form on
     the tiny model, rl.py shortened to one step and no curve): every command trains (a step logged, an adapter saved)
