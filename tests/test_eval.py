@@ -444,7 +444,7 @@ def test_the_published_adapters_come_back_from_history_with_their_sha256(tmp_pat
                                       cwd=clone, capture_output=True, check=True).stdout
                 assert (root / config).read_bytes() == held
                 listed += 1
-        assert listed == 13                   # attempts 3, 4, 5 and 6: 3 + 3 + 6 + 1 (6 grows as its runs end)
+        assert listed == 14                   # attempts 3, 4, 5 and 6: 3 + 3 + 6 + 2 (6 grows as checkpoints publish)
     assert status() == before                 # the damaged tracked copy is whole again; the rest are ignored
     env = {**os.environ, "OUT": str(tmp_path / "none")}
     bad = subprocess.run(["bash", "scripts/adapters.sh", "attempt9"], cwd=clone, env=env, capture_output=True,
